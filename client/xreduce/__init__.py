@@ -1,0 +1,1 @@
+"""xreduce: the client SDK of the xreduce cross-device reduction daemon."""

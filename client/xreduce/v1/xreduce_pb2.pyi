@@ -1,0 +1,221 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    DATA_TYPE_FLOAT16: _ClassVar[DataType]
+    DATA_TYPE_BFLOAT16: _ClassVar[DataType]
+    DATA_TYPE_FLOAT32: _ClassVar[DataType]
+    DATA_TYPE_FLOAT64: _ClassVar[DataType]
+    DATA_TYPE_INT8: _ClassVar[DataType]
+    DATA_TYPE_INT16: _ClassVar[DataType]
+    DATA_TYPE_INT32: _ClassVar[DataType]
+    DATA_TYPE_INT64: _ClassVar[DataType]
+    DATA_TYPE_UINT8: _ClassVar[DataType]
+    DATA_TYPE_UINT16: _ClassVar[DataType]
+    DATA_TYPE_UINT32: _ClassVar[DataType]
+    DATA_TYPE_UINT64: _ClassVar[DataType]
+    DATA_TYPE_COMPLEX64: _ClassVar[DataType]
+    DATA_TYPE_COMPLEX128: _ClassVar[DataType]
+
+class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCE_OP_UNSPECIFIED: _ClassVar[ReduceOp]
+    REDUCE_OP_SUM: _ClassVar[ReduceOp]
+    REDUCE_OP_MEAN: _ClassVar[ReduceOp]
+
+class Algorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALGORITHM_UNSPECIFIED: _ClassVar[Algorithm]
+    ALGORITHM_HIERARCHICAL_COPY: _ClassVar[Algorithm]
+    ALGORITHM_REDUCTION_TO_ONE_DEVICE: _ClassVar[Algorithm]
+
+class Route(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTE_UNSPECIFIED: _ClassVar[Route]
+    ROUTE_IDENTITY: _ClassVar[Route]
+    ROUTE_HIERARCHICAL_COPY: _ClassVar[Route]
+    ROUTE_REDUCTION_TO_ONE_DEVICE: _ClassVar[Route]
+DATA_TYPE_UNSPECIFIED: DataType
+DATA_TYPE_FLOAT16: DataType
+DATA_TYPE_BFLOAT16: DataType
+DATA_TYPE_FLOAT32: DataType
+DATA_TYPE_FLOAT64: DataType
+DATA_TYPE_INT8: DataType
+DATA_TYPE_INT16: DataType
+DATA_TYPE_INT32: DataType
+DATA_TYPE_INT64: DataType
+DATA_TYPE_UINT8: DataType
+DATA_TYPE_UINT16: DataType
+DATA_TYPE_UINT32: DataType
+DATA_TYPE_UINT64: DataType
+DATA_TYPE_COMPLEX64: DataType
+DATA_TYPE_COMPLEX128: DataType
+REDUCE_OP_UNSPECIFIED: ReduceOp
+REDUCE_OP_SUM: ReduceOp
+REDUCE_OP_MEAN: ReduceOp
+ALGORITHM_UNSPECIFIED: Algorithm
+ALGORITHM_HIERARCHICAL_COPY: Algorithm
+ALGORITHM_REDUCTION_TO_ONE_DEVICE: Algorithm
+ROUTE_UNSPECIFIED: Route
+ROUTE_IDENTITY: Route
+ROUTE_HIERARCHICAL_COPY: Route
+ROUTE_REDUCTION_TO_ONE_DEVICE: Route
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "raw_data", "float_values", "int_values", "uint_values")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_DATA_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    UINT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    raw_data: bytes
+    float_values: _containers.RepeatedScalarFieldContainer[float]
+    int_values: _containers.RepeatedScalarFieldContainer[int]
+    uint_values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., float_values: _Optional[_Iterable[float]] = ..., int_values: _Optional[_Iterable[int]] = ..., uint_values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Component(_message.Message):
+    __slots__ = ("device", "tensor")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    tensor: Tensor
+    def __init__(self, device: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class DistributedValue(_message.Message):
+    __slots__ = ("components",)
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    components: _containers.RepeatedCompositeFieldContainer[Component]
+    def __init__(self, components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("name", "short_name", "device_type", "index", "memory_bytes", "physical_device")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHORT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    short_name: str
+    device_type: str
+    index: int
+    memory_bytes: int
+    physical_device: str
+    def __init__(self, name: _Optional[str] = ..., short_name: _Optional[str] = ..., device_type: _Optional[str] = ..., index: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., physical_device: _Optional[str] = ...) -> None: ...
+
+class PeerRow(_message.Message):
+    __slots__ = ("can_access",)
+    CAN_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    can_access: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, can_access: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices", "peer_access", "backend")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    peer_access: _containers.RepeatedCompositeFieldContainer[PeerRow]
+    backend: str
+    def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_access: _Optional[_Iterable[_Union[PeerRow, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ReduceRequest(_message.Message):
+    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout")
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PACKS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    reduce_op: ReduceOp
+    value: DistributedValue
+    destinations: _containers.RepeatedScalarFieldContainer[str]
+    num_packs: int
+    algorithm: Algorithm
+    reduce_to_device: str
+    timeout: _duration_pb2.Duration
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ReduceResponse(_message.Message):
+    __slots__ = ("result", "route")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    result: DistributedValue
+    route: Route
+    def __init__(self, result: _Optional[_Union[DistributedValue, _Mapping]] = ..., route: _Optional[_Union[Route, str]] = ...) -> None: ...
+
+class ReducePair(_message.Message):
+    __slots__ = ("value", "destinations")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    value: DistributedValue
+    destinations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchReduceRequest(_message.Message):
+    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout")
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PACKS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    reduce_op: ReduceOp
+    pairs: _containers.RepeatedCompositeFieldContainer[ReducePair]
+    num_packs: int
+    algorithm: Algorithm
+    reduce_to_device: str
+    timeout: _duration_pb2.Duration
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ReduceResult(_message.Message):
+    __slots__ = ("result", "route")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    result: DistributedValue
+    route: Route
+    def __init__(self, result: _Optional[_Union[DistributedValue, _Mapping]] = ..., route: _Optional[_Union[Route, str]] = ...) -> None: ...
+
+class BatchReduceResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReduceResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReduceResult, _Mapping]]] = ...) -> None: ...
+
+class BroadcastRequest(_message.Message):
+    __slots__ = ("tensor", "source_device", "destinations", "timeout")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    tensor: Tensor
+    source_device: str
+    destinations: _containers.RepeatedScalarFieldContainer[str]
+    timeout: _duration_pb2.Duration
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., source_device: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class BroadcastResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: DistributedValue
+    def __init__(self, result: _Optional[_Union[DistributedValue, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""xreduced: the per-node cross-device reduction daemon."""

@@ -1,0 +1,48 @@
+"""The ``xreduced`` command: parse, configure logging, serve until a signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from xreduced import config as config_lib
+from xreduced.server import Daemon
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the daemon until SIGINT or SIGTERM; returns the exit status.
+
+    Example (shell):
+        $ xreduced --listen 127.0.0.1:0 --virtual-devices 4
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = config_lib.resolve(argv)
+    except ValueError as e:
+        print(f"xreduced: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        daemon = Daemon(config).start()
+    except RuntimeError as e:
+        logging.getLogger("xreduced").error("event=start_failed error=%r", str(e))
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        logging.getLogger("xreduced").info("event=signal signal=%s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop.wait(0.5):
+        pass
+    daemon.stop()
+    return 0

@@ -1,0 +1,29 @@
+"""Errors the engine raises; the service maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """Base: an error with a gRPC status code and a message a person can act on."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ServiceError):
+    """Bad input; the message names the field and the values received."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    """An unknown device; the message lists the daemon's devices."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class DeadlineExceeded(ServiceError):
+    """The operation's timeout passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,121 @@
+"""Building, starting and stopping the daemon's gRPC server.
+
+Teardown order matters: health turns NOT_SERVING first (so load balancers and
+probes stop sending), then the server refuses new calls and lets in-flight
+ones finish within the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduced.backends import Backend
+from xreduced.config import Config
+from xreduced.engine import Engine
+from xreduced.service import CrossDeviceOpsService
+
+log = logging.getLogger("xreduced")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].full_name
+
+
+def make_backend(config: Config) -> Backend:
+    """The backend the configuration asks for; ``auto`` prefers GPUs.
+
+    Raises:
+        RuntimeError: ``cupy`` was asked for and CuPy or a GPU is missing.
+    """
+    if config.backend in ("auto", "cupy"):
+        from xreduced.backends import cupy_backend
+
+        reason = cupy_backend.unavailable_reason()
+        if reason is None:
+            return cupy_backend.CupyBackend(config.virtual_devices)
+        if config.backend == "cupy":
+            raise RuntimeError(f"--backend cupy: {reason}")
+        log.info("event=backend_fallback backend=numpy reason=%r", reason)
+    from xreduced.backends.numpy_backend import NumpyBackend
+
+    return NumpyBackend(config.virtual_devices or 8)
+
+
+class Daemon:
+    """One running daemon: its server, health service and bound address.
+
+    Example:
+        >>> d = Daemon(Config(listen="127.0.0.1:0", virtual_devices=2)).start()
+        >>> d.address.startswith("127.0.0.1:")
+        True
+        >>> d.stop()
+    """
+
+    def __init__(self, config: Config, backend: Backend | None = None):
+        self.config = config
+        self.backend = backend or make_backend(config)
+        self.address: str | None = None
+        self.health = health.HealthServicer()
+        self._stopped = threading.Event()
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
+            options=options,
+        )
+        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name)
+        pb_grpc.add_CrossDeviceOpsServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self.server,
+        )
+
+    def start(self) -> Daemon:
+        """Binds, starts serving and marks health SERVING.
+
+        Raises:
+            RuntimeError: the address cannot be bound.
+        """
+        listen = self.config.listen
+        try:
+            port = self.server.add_insecure_port(listen)
+        except RuntimeError as e:
+            raise RuntimeError(f"--listen {listen}: cannot bind ({e})") from None
+        if listen.startswith("unix:"):
+            self.address = listen
+        else:
+            host = listen.rsplit(":", 1)[0]
+            self.address = f"{host}:{port}"
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        devices = self.service.devices
+        log.info("event=serving address=%s backend=%s devices=%d names=%s", self.address,
+                 self.backend.name, len(devices), devices.listing().replace(" ", ""))
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, then refuse new calls and give in-flight ones ``grace`` seconds."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.config.grace_seconds if grace is None else grace
+        self.health.enter_graceful_shutdown()
+        log.info("event=stopping grace_seconds=%g", grace)
+        self.server.stop(grace).wait()
+        log.info("event=stopped")
+
+    def wait(self) -> None:
+        """Blocks until the server has stopped."""
+        self.server.wait_for_termination()
