@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from daemon import DaemonProcess
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 

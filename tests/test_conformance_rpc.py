@@ -11,7 +11,6 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 

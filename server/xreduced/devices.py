@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xreduce._devices import DeviceName
+
 from xreduced.backends import DeviceInfo
 from xreduced.errors import InvalidArgument, NotFound
 

@@ -184,9 +184,7 @@ class Engine:
                     f"share one dtype; got {first.field} {first.arrays[0].dtype.name} and "
                     f"{odd.field} {odd.arrays[0].dtype.name} (num_packs=0 reduces mixed dtypes)"
                 )
-        inputs = []
-        for p, d in enumerate(ref):
-            inputs.append([v.arrays[v.devices.index(d)] for v in values])
+        inputs = [[v.arrays[v.devices.index(d)] for v in values] for d in ref]
         templates = inputs[0]
         plan = planner.hierarchical_copy(
             ref, [a.size for a in templates], [a.dtype.itemsize for a in templates], num_packs

@@ -11,10 +11,10 @@ import logging
 
 import grpc
 import numpy as np
-
 from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+
 from xreduced import planner
 from xreduced.devices import DeviceTable
 from xreduced.engine import MEAN, SUM, Engine, Result, Value
