@@ -1,1 +1,55 @@
-"""xreduce: the client SDK of the xreduce cross-device reduction daemon."""
+"""xreduce: the client SDK of the xreduce cross-device reduction daemon.
+
+``xreduce.distribute`` mirrors ``tf.distribute``'s cross-device API and
+``xreduce.distribution`` mirrors ``keras.distribution``'s utilities.
+
+Example:
+    >>> import numpy as np
+    >>> import xreduce
+    >>> with xreduce.serve_embedded(virtual_devices=2):
+    ...     v = xreduce.distribute.PerReplica([np.ones(2), np.ones(2)])
+    ...     xreduce.distribute.HierarchicalCopyAllReduce().reduce("sum", v, v).values[0]
+    array([2., 2.])
+"""
+
+from xreduce import distribute, distribution
+from xreduce._client import DEFAULT_ADDRESS, Client, resolve_address
+from xreduce._codec import SUPPORTED_DTYPES
+from xreduce._devices import DeviceName, canonical
+from xreduce._embedded import serve_embedded
+from xreduce._errors import (
+    AbortedError,
+    CancelledError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    XReduceError,
+)
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "SUPPORTED_DTYPES",
+    "AbortedError",
+    "CancelledError",
+    "Client",
+    "DeadlineExceededError",
+    "DeviceName",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "XReduceError",
+    "canonical",
+    "distribute",
+    "distribution",
+    "resolve_address",
+    "serve_embedded",
+]

@@ -180,7 +180,8 @@ def _decode_typed(tensor, name, dtype, shape, field, label) -> np.ndarray:
     if len(values) != want:
         raise CodecError(f"{field}.{name}: {len(values)} values for {label}, expected {want}")
     if kind == "c":
-        pairs = np.asarray(values, np.float64).reshape(-1, 2)
+        part = np.dtype(np.float32 if dtype == np.complex64 else np.float64)
+        pairs = _narrow(values, part, field, name).reshape(-1, 2)
         out = np.empty(count, dtype)
         out.real, out.imag = pairs[:, 0], pairs[:, 1]
         return out.reshape(shape)
@@ -194,4 +195,18 @@ def _decode_typed(tensor, name, dtype, shape, field, label) -> np.ndarray:
                 f"[{info.min}, {info.max}]"
             )
         return src.astype(dtype).reshape(shape)
-    return np.asarray(values, np.float64).astype(dtype).reshape(shape)
+    return _narrow(values, dtype, field, name).reshape(shape)
+
+
+def _narrow(values, dtype: np.dtype, field: str, name: str) -> np.ndarray:
+    """float64 values as ``dtype``; a finite value that would become infinite is an error."""
+    src = np.asarray(values, np.float64)
+    with np.errstate(over="ignore"):
+        out = src.astype(dtype)
+    overflow = np.isfinite(src) & ~np.isfinite(out.astype(np.float64))
+    if overflow.any():
+        raise CodecError(
+            f"{field}.{name}: value {float(src[overflow][0])!r} is out of range for {dtype.name} "
+            f"(largest finite {float(ml_dtypes.finfo(dtype).max)!r})"
+        )
+    return out

@@ -43,8 +43,10 @@ class Result:
     route: str
 
 
-def check_value(value: Value) -> None:
+def check_value(value: Value, label=str) -> None:
     """Rejects an empty value, a duplicated device, replicas that disagree.
+
+    ``label(d)`` names device ``d`` in messages.
 
     Raises:
         InvalidArgument: naming the field and the values received.
@@ -56,7 +58,7 @@ def check_value(value: Value) -> None:
     for p, d in enumerate(value.devices):
         if d in seen:
             raise InvalidArgument(
-                f"{f}.components[{p}].device: device {d} already holds components[{seen[d]}]; "
+                f"{f}.components[{p}].device: {label(d)} already holds components[{seen[d]}]; "
                 "each device may hold one component"
             )
         seen[d] = p
@@ -69,12 +71,12 @@ def check_value(value: Value) -> None:
             )
 
 
-def check_destinations(destinations: Sequence[int], field: str) -> None:
+def check_destinations(destinations: Sequence[int], field: str, label=str) -> None:
     """Rejects a destination named twice."""
     seen = set()
     for i, d in enumerate(destinations):
         if d in seen:
-            raise InvalidArgument(f"{field}[{i}]: device {d} is listed twice in {field}")
+            raise InvalidArgument(f"{field}[{i}]: {label(d)} is listed twice in {field}")
         seen.add(d)
 
 
@@ -96,6 +98,11 @@ class Engine:
 
     def __init__(self, backend: Backend):
         self.backend = backend
+        self._names = [f"{i.device_type}:{i.index}" for i in backend.devices()]
+
+    def label(self, device: int) -> str:
+        """The short name of device ``device``, e.g. ``GPU:3``."""
+        return self._names[device]
 
     def reduce(
         self,
@@ -138,8 +145,8 @@ class Engine:
         fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(pairs))]
         resolved = []
         for (value, dests), field in zip(pairs, fields):
-            check_value(value)
-            check_destinations(dests, field)
+            check_value(value, self.label)
+            check_destinations(dests, field, self.label)
             resolved.append((value, tuple(dests) or value.devices))
         if not resolved:
             return []
@@ -164,7 +171,7 @@ class Engine:
         """Copies ``array`` from ``source`` to every destination."""
         if not destinations:
             raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
-        check_destinations(destinations, "destinations")
+        check_destinations(destinations, "destinations", self.label)
         plan = planner.broadcast(source, destinations, array.size, array.dtype.itemsize)
         out = execute(plan, self.backend, [[array]], deadline=deadline)
         return Result(tuple(destinations), tuple(out[d][0] for d in destinations), planner.IDENTITY)

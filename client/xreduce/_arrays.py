@@ -1,0 +1,126 @@
+"""Array interop: numpy, Python scalars, CuPy, torch and JAX in; the caller's type out.
+
+Values travel as host numpy arrays. Arrays that live on a GPU carry their
+device (``GPU:i``); host arrays carry none, and the caller's device list
+decides where they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+_INT32 = np.iinfo(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostArray:
+    """An input as a host array, its device if it has one, and the way back."""
+
+    array: np.ndarray
+    device: str | None
+    restore: Callable[[np.ndarray], Any]
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
+
+
+def _python(value) -> np.ndarray:
+    """TF's conversion of Python values: float -> float32, int -> int32 (int64 if
+    it does not fit), complex -> complex128."""
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_:
+        raise ValueError(f"bool values are not supported; got {value!r}")
+    if arr.dtype.kind == "f":
+        return arr.astype(np.float32)
+    if arr.dtype.kind == "i" and (arr.size == 0 or (arr.min() >= _INT32.min and arr.max() <= _INT32.max)):
+        return arr.astype(np.int32)
+    if arr.dtype.kind in "iuc":
+        return arr
+    raise ValueError(f"cannot convert {value!r} to an array of numbers")
+
+
+def to_host(value: Any) -> HostArray:
+    """Converts one tensor-like input.
+
+    Raises:
+        ValueError: ``None``, a bool, or something that is not an array of numbers.
+
+    Example:
+        >>> h = to_host(2.5)
+        >>> h.array.dtype.name, h.device
+        ('float32', None)
+    """
+    if value is None or isinstance(value, bool):
+        raise ValueError(
+            f"Attempt to convert a value ({value!r}) with an unsupported type ({type(value)}) to an array."
+        )
+    module = type(value).__module__.split(".")[0]
+    if isinstance(value, np.ndarray):
+        return HostArray(value, None, _writable)
+    if isinstance(value, np.generic):
+        return HostArray(np.asarray(value), None, _writable)
+    if isinstance(value, (int, float, complex, list, tuple)):
+        return HostArray(_python(value), None, _writable)
+    if module == "cupy":
+        return _from_cupy(value)
+    if module == "torch":
+        return _from_torch(value)
+    if module in ("jax", "jaxlib"):
+        return _from_jax(value)
+    if hasattr(value, "__array__"):
+        return HostArray(np.asarray(value), None, _writable)
+    raise ValueError(
+        f"Attempt to convert a value ({value!r}) with an unsupported type ({type(value)}) to an array."
+    )
+
+
+def _from_cupy(x) -> HostArray:
+    import cupy
+
+    device_id = x.device.id
+
+    def restore(a: np.ndarray):
+        with cupy.cuda.Device(device_id):
+            return cupy.asarray(a)
+
+    return HostArray(x.get(), f"GPU:{device_id}", restore)
+
+
+def _from_torch(x) -> HostArray:
+    import torch
+
+    t = x.detach()
+    device = f"GPU:{t.device.index or 0}" if t.device.type == "cuda" else None
+    if t.dtype == torch.bfloat16:
+        host = t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        host = t.cpu().numpy()
+
+    def restore(a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        if a.dtype == ml_dtypes.bfloat16:
+            out = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(_writable(a))
+        return out.to(t.device)
+
+    return HostArray(host, device, restore)
+
+
+def _from_jax(x) -> HostArray:
+    import jax
+
+    devices = list(x.devices()) if hasattr(x, "devices") else []
+    dev = devices[0] if len(devices) == 1 else None
+    device = f"GPU:{dev.id}" if dev is not None and dev.platform == "gpu" else None
+
+    def restore(a: np.ndarray):
+        return jax.device_put(a, dev) if dev is not None else jax.numpy.asarray(a)
+
+    return HostArray(np.asarray(x), device, restore)

@@ -1,0 +1,399 @@
+"""``CrossDeviceOps`` and its implementations, reproducing ``tf.distribute``'s.
+
+Client-side validation raises TF's error types and messages; the reduction
+itself runs in the daemon, whose errors arrive as :class:`xreduce.XReduceError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from google.protobuf import duration_pb2
+
+from xreduce import _codec as codec
+from xreduce._arrays import to_host
+from xreduce._client import Client
+from xreduce._devices import canonical
+from xreduce._values import DistributedValues, Mirrored, PerReplica
+from xreduce.v1 import xreduce_pb2 as pb
+
+_DEST_TYPE_ERROR = (
+    "destinations must be one of a `DistributedValues` object, a tf.Variable object, or a device string."
+)
+
+
+class ReduceOp(enum.Enum):
+    """How replicas are combined: ``SUM`` or ``MEAN`` (TF's ``tf.distribute.ReduceOp``).
+
+    Example:
+        >>> ReduceOp.from_value("mean")
+        <ReduceOp.MEAN: 'MEAN'>
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_value(cls, value: Any) -> ReduceOp:
+        """A ``ReduceOp`` from itself or a string in any case.
+
+        Raises:
+            ValueError: anything else (TF silently sums on its all-reduce path).
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(f"`reduce_op` must be Reduce.SUM or Reduce.MEAN.; got {value!r}")
+
+
+class CommunicationImplementation(enum.Enum):
+    """TF's collective implementation hint; accepted and recorded, the daemon
+    always runs its own algorithm.
+
+    Example:
+        >>> CommunicationImplementation("nccl".upper())
+        <CommunicationImplementation.NCCL: 'NCCL'>
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+class CommunicationOptions:
+    """Per-call options (TF's ``tf.distribute.experimental.CommunicationOptions``).
+
+    Args:
+        bytes_per_pack: TF's collective packing hint; validated, not used by
+            hierarchical copy (which packs by ``num_packs``).
+        timeout_seconds: bound on the call; becomes its gRPC deadline and the
+            daemon's operation timeout.
+        implementation: a :class:`CommunicationImplementation` or its name.
+
+    Raises:
+        ValueError: as TF: negative ``bytes_per_pack``, an unknown implementation;
+            also a non-positive ``timeout_seconds``.
+
+    Example:
+        >>> CommunicationOptions(timeout_seconds=5).timeout_seconds
+        5
+    """
+
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
+                 implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO):
+        if bytes_per_pack < 0:
+            raise ValueError(f"Argument `bytes_per_pack` must be >=0, Received {bytes_per_pack}.")
+        if isinstance(implementation, str):
+            try:
+                implementation = CommunicationImplementation(implementation.upper())
+            except ValueError:
+                raise ValueError(
+                    f"Argument `implementation` must be one of AUTO, RING, NCCL; got {implementation!r}"
+                ) from None
+        if not isinstance(implementation, CommunicationImplementation):
+            raise ValueError(
+                "Argument `implementation` must be instance of "
+                "`tf.distribute.experimental.CommunicationImplementation`."
+            )
+        if timeout_seconds is not None and not timeout_seconds > 0:
+            raise ValueError(f"Argument `timeout_seconds` must be > 0 or None; got {timeout_seconds!r}")
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+        self.implementation = implementation
+
+    def __repr__(self) -> str:
+        return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation.name})")
+
+
+def validate_destinations(destinations: Any) -> None:
+    """TF's destination checks, plus (beyond TF) a list or tuple of device strings.
+
+    Raises:
+        ValueError: TF's messages for a wrong type or an empty destination.
+
+    Example:
+        >>> validate_destinations("")
+        Traceback (most recent call last):
+        ...
+        ValueError: destinations can not be empty
+    """
+    if isinstance(destinations, (list, tuple)):
+        if not all(isinstance(d, str) for d in destinations):
+            raise ValueError(_DEST_TYPE_ERROR)
+    elif not isinstance(destinations, (DistributedValues, str)):
+        raise ValueError(_DEST_TYPE_ERROR)
+    if not isinstance(destinations, DistributedValues) and (
+        not destinations or any(not d for d in destinations if isinstance(destinations, (list, tuple)))
+    ):
+        raise ValueError("destinations can not be empty")
+
+
+def _as_per_replica(value: Any) -> DistributedValues:
+    if isinstance(value, DistributedValues):
+        return value
+    return PerReplica((value,))
+
+
+def _check_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    """TF's ``_normalize_value_destination_pairs`` checks, with TF's messages."""
+    pairs = list(pairs)
+    for pair in pairs:
+        if not isinstance(pair, tuple):
+            raise ValueError("Each element of `value_destination_pairs` should be a tuple.")
+        if len(pair) != 2:
+            raise ValueError("Each element of `value_destination_pairs` should be a tuple of size 2.")
+    return pairs
+
+
+class CrossDeviceOps:
+    """Base class of cross-device reduction (TF's ``tf.distribute.CrossDeviceOps``).
+
+    Use :class:`HierarchicalCopyAllReduce` or :class:`ReductionToOneDevice`;
+    both talk to the daemon at ``address`` (else ``XREDUCE_ADDRESS``, else the
+    default). Constructing one needs no running daemon.
+
+    Example:
+        >>> ops = HierarchicalCopyAllReduce(num_packs=2, address="127.0.0.1:1")
+        >>> ops.num_packs
+        2
+    """
+
+    def __init__(self, address: str | None = None):
+        self._client = Client(address)
+
+    @property
+    def client(self) -> Client:
+        """The connection to the daemon (opened on first use)."""
+        return self._client
+
+    def _algorithm(self) -> dict:
+        raise NotImplementedError(
+            "CrossDeviceOps is abstract; use HierarchicalCopyAllReduce or ReductionToOneDevice"
+        )
+
+    def _accumulate(self) -> Callable | None:
+        return None
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Any:
+        """Reduces ``per_replica_value`` to ``destinations``.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM``/``MEAN`` or the string, any case.
+            per_replica_value: a :class:`PerReplica`, or one array (a one-replica value).
+            destinations: a device string, a :class:`DistributedValues` (its
+                devices), or a list of device strings.
+            options: :class:`CommunicationOptions`.
+
+        Returns:
+            A :class:`Mirrored` over the destination devices, or a plain array
+            when there is one destination device.
+
+        Raises:
+            ValueError: TF's client-side checks; :class:`xreduce.XReduceError`
+                for what the daemon rejects.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded():
+            ...     ops = HierarchicalCopyAllReduce()
+            ...     v = PerReplica([np.array([1.0]), np.array([2.0])], devices=["CPU:0", "CPU:1"])
+            ...     ops.reduce("sum", v, v).values
+            (array([3.]), array([3.]))
+        """
+        op = ReduceOp.from_value(reduce_op)
+        value = _as_per_replica(per_replica_value)
+        validate_destinations(destinations)
+        return self._batch(op, [(value, destinations)], options, single=True)[0]
+
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
+                     options: CommunicationOptions | None = None) -> list[Any]:
+        """Reduces each (value, destinations) pair; pairs that all-reduce over
+        one device set are packed together (``num_packs``).
+
+        Returns:
+            A list with one result per pair (as :meth:`reduce` returns them);
+            ``[]`` for an empty batch (TF raises IndexError).
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded():
+            ...     v = PerReplica([np.array([1, 2]), np.array([3, 4])], devices=["CPU:0", "CPU:1"])
+            ...     HierarchicalCopyAllReduce().batch_reduce("mean", [(v, v)])[0].values[0]
+            array([2., 3.])
+        """
+        op = ReduceOp.from_value(reduce_op)
+        pairs = [(_as_per_replica(v), d) for v, d in _check_pairs(value_destination_pairs)]
+        for _, d in pairs:
+            validate_destinations(d)
+        return self._batch(op, pairs, options, single=False)
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to every destination device.
+
+        Returns:
+            A :class:`Mirrored`, or a plain array for one destination device.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded():
+            ...     HierarchicalCopyAllReduce().broadcast(np.arange(2), ["CPU:1", "CPU:2"]).devices[1]
+            '/job:localhost/replica:0/task:0/device:CPU:2'
+        """
+        validate_destinations(destinations)
+        host = to_host(tensor)
+        names = self._client.device_names()
+        dests = self._destination_names(destinations, names)
+        request = pb.BroadcastRequest(
+            tensor=codec.encode(host.array),
+            source_device=canonical(host.device) if host.device else names[0],
+            destinations=dests,
+        )
+        reply = self._client.call("Broadcast", request)
+        return _regroup(reply.result, host.restore)
+
+    def _destination_names(self, destinations: Any, names: Sequence[str]) -> list[str]:
+        if isinstance(destinations, DistributedValues):
+            return list(destinations._resolve_devices(names))
+        if isinstance(destinations, str):
+            return [canonical(destinations)]
+        return [canonical(d) for d in destinations]
+
+    def _batch(self, op: ReduceOp, pairs, options, single: bool) -> list[Any]:
+        options = options or CommunicationOptions()
+        if not pairs:
+            return []
+        names = self._client.device_names()
+        wire = []
+        for value, dest in pairs:
+            devices = value._resolve_devices(names)
+            wire.append((value, devices, self._destination_names(dest, names)))
+        accumulate = self._accumulate()
+        if accumulate is not None:
+            return [self._accumulated(op, accumulate, v, d) for v, _, d in wire]
+        # TF's shortcut: one replica whose destinations are its own device.
+        first = set(wire[0][1])
+        if len(first) == 1 and all(set(devs) == set(dests) == first for _, devs, dests in wire):
+            return [_regroup_local(v) for v, _, _ in wire]
+        fields = dict(self._algorithm(), reduce_op=pb.ReduceOp.Value(f"REDUCE_OP_{op.value}"))
+        timeout = None
+        if options.timeout_seconds is not None:
+            fields["timeout"] = duration_pb2.Duration()
+            fields["timeout"].FromNanoseconds(int(options.timeout_seconds * 1e9))
+            timeout = options.timeout_seconds + 5.0  # the daemon's own deadline message comes first
+        values = [_encode_value(v, devs) for v, devs, _ in wire]
+        if single:
+            (value, _, dests), = wire
+            request = pb.ReduceRequest(value=values[0], destinations=dests, **fields)
+            reply = self._client.call("Reduce", request, timeout)
+            return [_regroup(reply.result, value.hosts()[0].restore)]
+        request = pb.BatchReduceRequest(
+            pairs=[pb.ReducePair(value=m, destinations=d) for m, (_, _, d) in zip(values, wire)], **fields
+        )
+        reply = self._client.call("BatchReduce", request, timeout)
+        return [_regroup(r.result, v.hosts()[0].restore) for r, (v, _, _) in zip(reply.results, wire)]
+
+    def _accumulated(self, op: ReduceOp, accumulate: Callable, value: DistributedValues,
+                     dests: list[str]) -> Any:
+        arrays = [h.array for h in value.hosts()]
+        total = np.asarray(accumulate(arrays))
+        if op is ReduceOp.MEAN:
+            total = _mean(total, len(arrays))
+        reply = self._client.call("Broadcast", pb.BroadcastRequest(
+            tensor=codec.encode(total), source_device=dests[0], destinations=dests))
+        return _regroup(reply.result, value.hosts()[0].restore)
+
+    def close(self) -> None:
+        """Closes the connection to the daemon."""
+        self._client.close()
+
+
+def _mean(total: np.ndarray, n: int) -> np.ndarray:
+    if total.dtype.kind in "iu":
+        f = np.float32 if total.dtype.itemsize <= 2 else np.float64
+        return total.astype(f) / f(n)
+    return total / total.dtype.type(n)
+
+
+def _encode_value(value: DistributedValues, devices: Sequence[str]) -> pb.DistributedValue:
+    return pb.DistributedValue(components=[
+        pb.Component(device=d, tensor=codec.encode(h.array)) for d, h in zip(devices, value.hosts())
+    ])
+
+
+def _regroup(result: pb.DistributedValue, restore: Callable) -> Any:
+    arrays = [restore(codec.decode(c.tensor)) for c in result.components]
+    if len(arrays) == 1:
+        return arrays[0]
+    return Mirrored(arrays, devices=[c.device for c in result.components])
+
+
+def _regroup_local(value: DistributedValues) -> Any:
+    host = value.hosts()[0]
+    return host.restore(np.array(host.array, copy=True))
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """TF's hierarchical copy all-reduce, run by the daemon.
+
+    Args:
+        num_packs: the batch is flattened, concatenated and split into this many
+            packs, each reduced around its own pair of main devices; 0 disables
+            packing. Never changes the numbers.
+        address: the daemon; see :func:`xreduce.resolve_address`.
+
+    Raises:
+        ValueError: ``num_packs`` < 0, with TF's message.
+
+    Example:
+        >>> HierarchicalCopyAllReduce(num_packs=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: HierarchicalCopy requires num_packs >= 0, but -1 is specified
+    """
+
+    def __init__(self, num_packs: int = 1, address: str | None = None):
+        if num_packs < 0:
+            raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
+        super().__init__(address)
+        self.num_packs = num_packs
+
+    def _algorithm(self) -> dict:
+        return {"algorithm": pb.ALGORITHM_HIERARCHICAL_COPY, "num_packs": self.num_packs}
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """TF's reduction to one device: sum on one device, copy to every destination.
+
+    Args:
+        reduce_to_device: where to sum (any device-name form); default the
+            first destination.
+        accumulation_fn: ``fn(list_of_arrays) -> array``; when given it runs in
+            this process on host copies of the values (the daemon cannot run
+            Python), then the result is broadcast to the destinations.
+        address: the daemon.
+
+    Example:
+        >>> ReductionToOneDevice(reduce_to_device="gpu:1").reduce_to_device
+        '/job:localhost/replica:0/task:0/device:GPU:1'
+    """
+
+    def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None,
+                 address: str | None = None):
+        super().__init__(address)
+        self.reduce_to_device = canonical(reduce_to_device) if reduce_to_device is not None else None
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise ValueError(f"accumulation_fn must be callable; got {accumulation_fn!r}")
+        self.accumulation_fn = accumulation_fn
+
+    def _algorithm(self) -> dict:
+        return {"algorithm": pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE,
+                "reduce_to_device": self.reduce_to_device or ""}
+
+    def _accumulate(self) -> Callable | None:
+        return self.accumulation_fn

@@ -1,0 +1,249 @@
+"""``MirroredStrategy``: one replica per device, reductions through the daemon.
+
+Replicas run one after another in this process (the daemon does the cross-
+device work), so a replica function must not wait for the other replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from xreduce._devices import canonical
+from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
+from xreduce._values import DistributedValues, PerReplica
+
+_state = threading.local()
+
+
+def _stack(name: str) -> list:
+    if not hasattr(_state, name):
+        setattr(_state, name, [])
+    return getattr(_state, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaContext:
+    """Where a replica function runs: its replica id and the replica count.
+
+    Example:
+        >>> ReplicaContext(None, 1, 4).replica_id_in_sync_group
+        1
+    """
+
+    strategy: Any
+    replica_id_in_sync_group: int
+    num_replicas_in_sync: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` passes to its function.
+
+    Example:
+        >>> ValueContext(0, 2).num_replicas_in_sync
+        2
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The context of the replica function running now, or None outside ``run``.
+
+    Example:
+        >>> get_replica_context() is None
+        True
+    """
+    stack = _stack("replicas")
+    return stack[-1] if stack else None
+
+
+def get_strategy() -> MirroredStrategy | None:
+    """The strategy whose ``scope()`` is active, or None.
+
+    Example:
+        >>> get_strategy() is None
+        True
+    """
+    stack = _stack("strategies")
+    return stack[-1] if stack else None
+
+
+def has_strategy() -> bool:
+    """Whether a strategy's ``scope()`` is active."""
+    return get_strategy() is not None
+
+
+def reduce_non_distributed_value(reduce_op: ReduceOp, value: Any, num_replicas: int) -> Any:
+    """TF's rule for a plain value: MEAN keeps it; SUM keeps it only with one replica."""
+    if reduce_op is ReduceOp.MEAN or num_replicas == 1:
+        return value
+    raise ValueError(
+        f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {reduce_op}."
+    )
+
+
+class MirroredExtended:
+    """``strategy.extended``: the cross-replica reductions of a strategy."""
+
+    def __init__(self, strategy: MirroredStrategy):
+        self._strategy = strategy
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The strategy's devices, canonical names."""
+        return self._strategy._devices()
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Reduces ``value`` to ``destinations`` through the strategy's cross-device ops.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     s = MirroredStrategy()
+            ...     v = s.experimental_distribute_values_from_function(lambda c: np.float32(c.replica_id_in_sync_group))
+            ...     s.extended.reduce_to("sum", v, "CPU:0")
+            array(1., dtype=float32)
+        """
+        op = ReduceOp.from_value(reduce_op)
+        if not isinstance(value, DistributedValues):
+            return reduce_non_distributed_value(op, value, self._strategy.num_replicas_in_sync)
+        return self._strategy.cross_device_ops.reduce(op, value, destinations, options)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        """Reduces each (value, destinations) pair; see ``CrossDeviceOps.batch_reduce``."""
+        return self._strategy.cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options)
+
+
+class MirroredStrategy:
+    """Synchronous data parallelism over the daemon's devices (TF's ``MirroredStrategy``).
+
+    Args:
+        devices: device names (any DeviceSpec form); default every daemon device.
+        cross_device_ops: default ``HierarchicalCopyAllReduce()``.
+        address: the daemon, when ``cross_device_ops`` is not given.
+
+    Raises:
+        ValueError: ``devices`` is empty or names a device twice.
+
+    Example:
+        >>> import numpy as np, xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=4):
+        ...     s = MirroredStrategy(cross_device_ops=HierarchicalCopyAllReduce())
+        ...     grads = s.run(lambda: np.ones(2) * (get_replica_context().replica_id_in_sync_group + 1))
+        ...     s.reduce("sum", grads, axis=None)
+        array([10., 10.])
+    """
+
+    def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: CrossDeviceOps | None = None,
+                 address: str | None = None):
+        if devices is not None:
+            if isinstance(devices, str) or not len(devices):
+                raise ValueError(f"devices must be a non-empty list of device names; got {devices!r}")
+            names = tuple(canonical(d) for d in devices)
+            if len(set(names)) != len(names):
+                raise ValueError(f"devices names a device twice; got {list(devices)!r}")
+            self._device_names: tuple[str, ...] | None = names
+        else:
+            self._device_names = None
+        self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address)
+        self.extended = MirroredExtended(self)
+
+    def _devices(self) -> tuple[str, ...]:
+        if self._device_names is None:
+            self._device_names = tuple(self.cross_device_ops.client.device_names())
+        return self._device_names
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """One replica per device."""
+        return len(self._devices())
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[MirroredStrategy]:
+        """Makes this the current strategy (:func:`get_strategy`) inside the block."""
+        stack = _stack("strategies")
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
+        """Calls ``fn`` once per replica; ``PerReplica`` arguments are unwrapped
+        to that replica's component, and the results are regrouped into
+        ``PerReplica`` values (nested lists, tuples and dicts are followed).
+        """
+        devices = self._devices()
+        outputs = []
+        for i in range(len(devices)):
+            replica_args = _select(i, tuple(args))
+            replica_kwargs = _select(i, dict(kwargs or {}))
+            stack = _stack("replicas")
+            stack.append(ReplicaContext(self, i, len(devices)))
+            try:
+                outputs.append(fn(*replica_args, **replica_kwargs))
+            finally:
+                stack.pop()
+        return _regroup(outputs, devices)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
+        """Reduces a per-replica value across replicas (and along ``axis`` within each).
+
+        With ``axis``, MEAN divides by the number of elements reduced over all
+        replicas, as TF does.
+        """
+        op = ReduceOp.from_value(reduce_op)
+        if not isinstance(value, DistributedValues):
+            return reduce_non_distributed_value(op, value, self.num_replicas_in_sync)
+        first = value.devices[0]
+        if axis is None:
+            return self.extended.reduce_to(op, value, first)
+        arrays = [h.array for h in value.hosts()]
+        sums = PerReplica([np.sum(a, axis=axis) for a in arrays], devices=value.devices)
+        total = self.extended.reduce_to(ReduceOp.SUM, sums, first)
+        if op is ReduceOp.SUM:
+            return total
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        count = sum(int(np.prod([a.shape[x] for x in axes])) for a in arrays)
+        return _mean(np.asarray(total), count)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> PerReplica:
+        """Builds a ``PerReplica`` from ``value_fn(ValueContext(i, n))`` for each replica."""
+        devices = self._devices()
+        values = [value_fn(ValueContext(i, len(devices))) for i in range(len(devices))]
+        return PerReplica(values, devices=devices)
+
+
+def _select(i: int, structure: Any) -> Any:
+    if isinstance(structure, DistributedValues):
+        return structure.values[i]
+    if isinstance(structure, tuple):
+        return tuple(_select(i, s) for s in structure)
+    if isinstance(structure, list):
+        return [_select(i, s) for s in structure]
+    if isinstance(structure, dict):
+        return {k: _select(i, v) for k, v in structure.items()}
+    return structure
+
+
+def _regroup(outputs: list, devices: Sequence[str]) -> Any:
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(_regroup([o[j] for o in outputs], devices) for j in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _regroup([o[k] for o in outputs], devices) for k in first}
+    if len(outputs) == 1:
+        return first
+    return PerReplica(outputs, devices=devices)

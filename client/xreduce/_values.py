@@ -1,0 +1,110 @@
+"""Distributed values: ``PerReplica`` (one value per device) and ``Mirrored``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from xreduce._arrays import HostArray, to_host
+from xreduce._devices import canonical
+
+
+class DistributedValues:
+    """Values spread over devices: ``values[i]`` lives on ``devices[i]``.
+
+    Args:
+        values: one array (or tensor-like) per device.
+        devices: device names in any DeviceSpec form; when omitted they come
+            from the arrays that carry a device (CuPy, CUDA torch/JAX), else
+            they are the daemon's first ``len(values)`` devices, resolved when
+            first needed.
+
+    Raises:
+        ValueError: no values, or ``devices`` of another length.
+
+    Example:
+        >>> import numpy as np
+        >>> v = PerReplica([np.zeros(2), np.ones(2)], devices=["cpu:0", "/cpu:1"])
+        >>> v.devices[1]
+        '/job:localhost/replica:0/task:0/device:CPU:1'
+    """
+
+    def __init__(self, values: Sequence[Any], devices: Sequence[str] | None = None):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise ValueError(
+                f"{type(self).__name__} takes a list of values, one per device; got {type(values).__name__}"
+            )
+        self._values = tuple(values)
+        if not self._values:
+            raise ValueError(f"{type(self).__name__} needs at least one value; got []")
+        self._hosts: tuple[HostArray, ...] | None = None
+        if devices is not None:
+            if isinstance(devices, str) or len(devices) != len(self._values):
+                raise ValueError(
+                    f"{type(self).__name__}: {len(self._values)} values but devices={list(devices)!r}"
+                    if not isinstance(devices, str) else
+                    f"{type(self).__name__}: devices must be a list of names; got {devices!r}"
+                )
+            self._devices: tuple[str, ...] | None = tuple(canonical(d) for d in devices)
+        else:
+            found = [getattr(h, "device", None) for h in self.hosts()]
+            self._devices = tuple(canonical(d) for d in found) if all(found) else None
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The per-device values, as given."""
+        return self._values
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Canonical device names, one per value."""
+        if self._devices is None:
+            from xreduce._client import Client
+
+            with Client() as client:
+                self._devices = tuple(client.device_names()[: len(self._values)])
+        return self._devices
+
+    def _resolve_devices(self, names: Sequence[str]) -> tuple[str, ...]:
+        if self._devices is None:
+            if len(names) < len(self._values):
+                raise ValueError(
+                    f"{len(self._values)} values but the daemon has only {len(names)} devices"
+                )
+            self._devices = tuple(names[: len(self._values)])
+        return self._devices
+
+    def hosts(self) -> tuple[HostArray, ...]:
+        """The values converted to host arrays (cached)."""
+        if self._hosts is None:
+            self._hosts = tuple(to_host(v) for v in self._values)
+        return self._hosts
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        devices = self._devices or ("<daemon's first devices>",)
+        body = ",\n  ".join(f"{d}: {v!r}" for d, v in zip(devices, self._values))
+        return f"{type(self).__name__}:{{\n  {body}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """A value with possibly different contents on each device (TF's PerReplica).
+
+    Example:
+        >>> import numpy as np
+        >>> PerReplica([np.array(1.0), np.array(2.0)], devices=["GPU:0", "GPU:1"]).devices[0]
+        '/job:localhost/replica:0/task:0/device:GPU:0'
+    """
+
+
+class Mirrored(DistributedValues):
+    """A value with identical contents on every device (TF's Mirrored).
+
+    Example:
+        >>> import numpy as np
+        >>> m = Mirrored([np.array([3.0]), np.array([3.0])], devices=["CPU:0", "CPU:1"])
+        >>> len(m), m.values[1]
+        (2, array([3.]))
+    """

@@ -1,0 +1,48 @@
+"""``xreduce.distribute``: the ``tf.distribute`` cross-device API over the daemon.
+
+Replace ``tf.distribute`` with ``xreduce.distribute``:
+
+    >>> import numpy as np
+    >>> import xreduce
+    >>> from xreduce import distribute
+    >>> with xreduce.serve_embedded(virtual_devices=2):
+    ...     v = distribute.PerReplica([np.array([1.0]), np.array([2.0])], devices=["CPU:0", "CPU:1"])
+    ...     distribute.HierarchicalCopyAllReduce().reduce(distribute.ReduceOp.SUM, v, "CPU:1")
+    array([3.])
+"""
+
+from xreduce._ops import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    ReduceOp,
+    ReductionToOneDevice,
+)
+from xreduce._strategy import (
+    MirroredStrategy,
+    ReplicaContext,
+    ValueContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+)
+from xreduce._values import DistributedValues, Mirrored, PerReplica
+
+__all__ = [
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "Mirrored",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "ValueContext",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+]

@@ -1,0 +1,1 @@
+"""``xreduce.distribution``: the ``keras.distribution`` utilities over the daemon (in progress)."""
