@@ -69,10 +69,12 @@ class DeviceName:
             low = key.lower()
             if low in ("job", "replica", "task") and rest:
                 fields[low] = rest if low == "job" else _int(rest, spec)
-            elif low == "device" and rest:
-                fields.update(_type_index(rest, spec))
-            elif low.upper() in DEVICE_TYPES and rest:
-                fields.update(_type_index(part, spec))
+            elif (low == "device" or low.upper() in DEVICE_TYPES) and rest:
+                if "device_type" in fields:
+                    raise ValueError(
+                        f"Multiple device types are not allowed while parsing the device spec: {spec!r}."
+                    )
+                fields.update(_type_index(rest if low == "device" else part, spec))
             else:
                 raise ValueError(
                     f"Unknown attribute {part!r} is encountered while parsing the "

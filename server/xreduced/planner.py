@@ -182,6 +182,8 @@ def main_positions(pack: int, n: int) -> tuple[int, int]:
         >>> main_positions(1, 3)
         (1, 0)
     """
+    if n == 1:
+        return 0, 0
     half = n // 2
     lo, hi = groups(n)
     main0 = pack % n
@@ -355,8 +357,8 @@ def describe(plan: Plan) -> str:
 
 
 def _bytes(n: int) -> str:
+    """Binary units when exact to three decimals, else plain bytes."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % (size // 1024 or 1) == 0:
-            value = n / size
-            return f"{value:g} {unit}"
+        if n >= size and (n * 1000) % size == 0:
+            return f"{n / size:g} {unit}"
     return f"{n} B"
