@@ -13,7 +13,6 @@ import pathlib
 
 import numpy as np
 import pytest
-
 import xreduce
 from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, PerReplica
 

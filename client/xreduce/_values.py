@@ -49,6 +49,11 @@ class DistributedValues:
         else:
             found = [getattr(h, "device", None) for h in self.hosts()]
             self._devices = tuple(canonical(d) for d in found) if all(found) else None
+        if self._devices is not None and len(set(self._devices)) != len(self._devices):
+            raise ValueError(
+                f"{type(self).__name__}: each device may hold one value; got devices="
+                f"{list(devices) if devices is not None else list(self._devices)!r}"
+            )
 
     @property
     def values(self) -> tuple[Any, ...]:
