@@ -14,7 +14,6 @@ import argparse
 import contextlib
 
 import numpy as np
-
 import xreduce
 from xreduce.distribute import HierarchicalCopyAllReduce, MirroredStrategy, ReduceOp
 
@@ -32,9 +31,9 @@ def train(steps: int, batch: int, features: int, lr: float, seed: int) -> list[f
     for step in range(steps):
         x = rng.standard_normal((batch, features)).astype(np.float32)
         y = x @ w_true + np.float32(0.5)
+        x_parts, y_parts = np.array_split(x, n), np.array_split(y, n)
         shards = strategy.experimental_distribute_values_from_function(
-            lambda ctx: (np.array_split(x, ctx.num_replicas_in_sync)[ctx.replica_id_in_sync_group],
-                         np.array_split(y, ctx.num_replicas_in_sync)[ctx.replica_id_in_sync_group]))
+            lambda ctx, xs=x_parts, ys=y_parts: (xs[ctx.replica_id_in_sync_group], ys[ctx.replica_id_in_sync_group]))
 
         def replica_step(shard, w=weights, b=bias):
             xs, ys = shard
