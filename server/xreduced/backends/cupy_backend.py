@@ -31,10 +31,12 @@ def unavailable_reason() -> str | None:
     except ImportError:
         return "CuPy is not installed (pip install 'xreduce[gpu]')"
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDA driver missing or broken
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no GPU is visible"
+        (cupy.ones(1) + 1).get()  # a kernel launch: catches a missing NVRTC too
+    except Exception as e:  # CUDA driver, runtime or compiler missing or broken
         return f"CUDA is not usable: {e}"
-    return None if count > 0 else "no GPU is visible"
+    return None
 
 
 @dataclasses.dataclass
@@ -75,8 +77,9 @@ class CupyBackend:
                     with cupy.cuda.Device(a):
                         try:
                             cupy.cuda.runtime.deviceEnablePeerAccess(b)
-                        except cupy.cuda.runtime.CUDARuntimeError:
-                            pass  # already enabled
+                        except cupy.cuda.runtime.CUDARuntimeError as e:
+                            if e.status != cupy.cuda.runtime.errorPeerAccessAlreadyEnabled:
+                                raise
 
     def devices(self) -> list[DeviceInfo]:
         per_gpu = [self._gpu.count(g) for g in range(self._num_gpus)]
@@ -98,8 +101,10 @@ class CupyBackend:
         return self._cp.cuda.Device(self._gpu[device]), self._streams[device]
 
     def _done(self, array, device: int, dtype: np.dtype) -> _Buf:
-        event = self._cp.cuda.Event(disable_timing=True)
-        event.record(self._streams[device])
+        # An event belongs to the device current when it is made: make it on the buffer's GPU.
+        with self._cp.cuda.Device(self._gpu[device]):
+            event = self._cp.cuda.Event(disable_timing=True)
+            event.record(self._streams[device])
         return _Buf(array, device, event, dtype)
 
     def _wait(self, device: int, *bufs: _Buf) -> None:
@@ -109,7 +114,7 @@ class CupyBackend:
 
     def upload(self, device: int, array: np.ndarray) -> _Buf:
         dev, stream = self._on(device)
-        host = np.ascontiguousarray(array)
+        host = np.asarray(array, order="C")
         bits = host.view(np.uint16) if host.dtype.name == _BF16 else host
         with dev, stream:
             out = self._cp.empty(bits.shape, bits.dtype)
@@ -137,7 +142,12 @@ class CupyBackend:
                     self._cp.cuda.runtime.memcpyPeerAsync(
                         out.data.ptr, dst_gpu, buf.array.data.ptr, src_gpu, nbytes, stream.ptr
                     )
-        return self._done(out, device, buf.dtype)
+        done = self._done(out, device, buf.dtype)
+        if buf.device != device:
+            # CuPy's pool hands a freed block back to the stream that allocated it: the source
+            # stream must not reuse the source's memory before this copy has read it.
+            self._streams[buf.device].wait_event(done.event)
+        return done
 
     def add(self, a: _Buf, b: _Buf) -> _Buf:
         dev, stream = self._on(a.device)
@@ -151,14 +161,16 @@ class CupyBackend:
         self._wait(acc.device, b)
         with dev, stream:
             self._sum(acc, b.array, acc.array)
-        acc.event.record(stream)
+            acc.event.record(stream)
 
     def _sum(self, a: _Buf, b, out):
         cp = self._cp
         if a.dtype.name != _BF16:
             return cp.add(a.array, b, out=out, dtype=a.array.dtype)
-        total = _bf16_to_f32(cp, a.array) + _bf16_to_f32(cp, b)
-        bits = _f32_to_bf16(cp, total)
+        x, y = _bf16_to_f32(cp, a.array), _bf16_to_f32(cp, b)
+        # ml_dtypes' NaN: canonical, with the sign of the NaN operand (y's first), else negative (inf - inf).
+        nan_sign = cp.where(cp.isnan(y), cp.signbit(y), cp.where(cp.isnan(x), cp.signbit(x), True))
+        bits = _f32_to_bf16(cp, x + y, nan_sign)
         if out is None:
             return bits
         out[...] = bits
@@ -179,8 +191,8 @@ class CupyBackend:
         dev, stream = self._on(buf.device)
         with dev, stream:
             if buf.dtype.name == _BF16:
-                quotient = _bf16_to_f32(self._cp, buf.array) / np.float32(n)
-                out = _f32_to_bf16(self._cp, quotient)
+                x = _bf16_to_f32(self._cp, buf.array)
+                out = _f32_to_bf16(self._cp, x / np.float32(n), self._cp.signbit(x))
             else:
                 out = divide(self._cp, buf.array, n)
         return self._done(out, buf.device, mean_dtype(buf.dtype))
@@ -194,9 +206,10 @@ def _bf16_to_f32(cp, bits):
     return (bits.astype(cp.uint32) << 16).view(cp.float32)
 
 
-def _f32_to_bf16(cp, values):
-    """Round-to-nearest-even from float32 to bfloat16 bits; NaN stays NaN."""
+def _f32_to_bf16(cp, values, nan_negative):
+    """Round-to-nearest-even from float32 to bfloat16 bits; a NaN becomes ml_dtypes'
+    canonical quiet NaN (0x7FC0, or 0xFFC0 where ``nan_negative``)."""
     u = values.view(cp.uint32)
     rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
-    nan = cp.isnan(values)
-    return cp.where(nan, (u >> 16) | 0x40, rounded).astype(cp.uint16)
+    nan_bits = cp.where(nan_negative, cp.uint32(0xFFC0), cp.uint32(0x7FC0))
+    return cp.where(cp.isnan(values), nan_bits, rounded).astype(cp.uint16)

@@ -1,0 +1,403 @@
+"""keras.distribution over the daemon, part one: devices and process identity."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from xreduce._client import Client
+from xreduce._errors import DeadlineExceededError, UnavailableError
+
+ENV_JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+ENV_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+
+LIST_TIMEOUT = 30.0
+"""Seconds a ListDevices call may take: it answers from memory, so longer means unreachable."""
+
+
+# --- devices -------------------------------------------------------------------------------------------------
+
+
+def _devices_by_type(client: Client) -> dict[str, list[str]]:
+    by_type: dict[str, list[str]] = {}
+    for device in client.list_devices().devices:
+        kind = device.device_type.lower()
+        by_type.setdefault(kind, []).append(f"{kind}:{device.index}")
+    return by_type
+
+
+def _select(by_type: dict[str, list[str]], device_type: Any, address: str) -> list[str]:
+    if device_type is None:
+        for kind in ("gpu", "cpu"):
+            if kind in by_type:
+                return list(by_type[kind])
+        raise ValueError(f"the xreduce daemon at {address} reports no devices")
+    if not isinstance(device_type, str):
+        raise ValueError(
+            f"device_type must be a string such as 'gpu' or 'cpu'; got {device_type!r} "
+            f"of type {type(device_type).__name__}"
+        )
+    kind = device_type.strip().lower()
+    if kind not in by_type:
+        present = ", ".join(f"{k!r} ({len(v)} devices)" for k, v in by_type.items()) or "none"
+        raise ValueError(
+            f"device_type {device_type!r} is not served by the xreduce daemon at {address}; "
+            f"device types present: {present}"
+        )
+    return list(by_type[kind])
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """The daemon's devices in the keras form, ``["gpu:0", "gpu:1", ...]``.
+
+    Args:
+        device_type: ``"gpu"`` or ``"cpu"``, in any case. Default: the GPUs
+            when the daemon has any, else its CPU devices.
+
+    Returns:
+        The devices of that type, in the daemon's order. These are the devices
+        of this node's daemon, not of the whole multi-process job.
+
+    Raises:
+        ValueError: the daemon has no device of ``device_type`` (the message
+            names the types it has), or ``device_type`` is not a string.
+        xreduce.UnavailableError: the daemon cannot be reached.
+
+    Example:
+        >>> import xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=2):
+        ...     list_devices(), list_devices("CPU")
+        (['cpu:0', 'cpu:1'], ['cpu:0', 'cpu:1'])
+    """
+    with Client(timeout=LIST_TIMEOUT) as client:
+        return _select(_devices_by_type(client), device_type, client.address)
+
+
+def get_device_count(device_type: str | None = None) -> int:
+    """How many devices :func:`list_devices` returns for ``device_type``.
+
+    Raises:
+        ValueError: as :func:`list_devices`.
+
+    Example:
+        >>> import xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=3):
+        ...     get_device_count("cpu")
+        3
+    """
+    return len(list_devices(device_type))
+
+
+# --- process identity ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Who this process is in a (possibly multi-process) job, as :func:`initialize` recorded it.
+
+    Attributes:
+        process_id: this process, in ``[0, num_processes)``.
+        num_processes: processes in the job.
+        job_addresses: every process's address, or just the coordinator's, or none.
+        daemon_address: the xreduce daemon this process checked at initialization.
+        devices: that daemon's devices, keras form (CPU and GPU alike).
+
+    Example:
+        >>> info = ProcessInfo(process_id=1, num_processes=2, job_addresses=("10.0.0.1:1234", "10.0.0.2:2345"))
+        >>> info.coordinator_address, info.is_multi_process
+        ('10.0.0.1:1234', True)
+    """
+
+    process_id: int = 0
+    num_processes: int = 1
+    job_addresses: tuple[str, ...] = ()
+    daemon_address: str | None = None
+    devices: tuple[str, ...] = ()
+
+    @property
+    def coordinator_address(self) -> str | None:
+        """The first job address (process 0's), or None when none was given."""
+        return self.job_addresses[0] if self.job_addresses else None
+
+    @property
+    def is_multi_process(self) -> bool:
+        """Whether the job has more than one process."""
+        return self.num_processes > 1
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None  # an empty variable counts as unset
+
+
+def _int(name: str, value: Any, source: str) -> int:
+    if isinstance(value, str) and source:
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ValueError(f"{source} must be an integer; got {value!r}") from None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer; got {value!r} of type bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer; got {value!r} of type {type(value).__name__}") from None
+
+
+def _addresses(value: Any, source: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")] if value.strip() else []
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        parts = [p.strip() for p in value]
+    else:
+        raise ValueError(
+            f"job_addresses must be a comma-separated string or a list of strings; got {value!r} "
+            f"of type {type(value).__name__}"
+        )
+    if any(not p for p in parts):
+        raise ValueError(f"{source or 'job_addresses'} has an empty address; got {value!r}")
+    return tuple(parts)
+
+
+def _resolve(job_addresses: Any, num_processes: Any, process_id: Any) -> tuple[tuple[str, ...], int, int]:
+    """Argument, else environment variable (only when the argument is None), else detection."""
+    sources = {}
+    if job_addresses is None and _env(ENV_JOB_ADDRESSES):
+        job_addresses, sources["job_addresses"] = _env(ENV_JOB_ADDRESSES), ENV_JOB_ADDRESSES
+    if num_processes is None and _env(ENV_NUM_PROCESSES):
+        num_processes, sources["num_processes"] = _env(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES
+    if process_id is None and _env(ENV_PROCESS_ID):
+        process_id, sources["process_id"] = _env(ENV_PROCESS_ID), ENV_PROCESS_ID
+
+    def origin(*names: str) -> str:
+        named = [f"{n} from {sources[n]}" for n in names if n in sources]
+        return f" ({', '.join(named)})" if named else ""
+
+    addresses = _addresses(job_addresses, sources.get("job_addresses", ""))
+    if num_processes is None:
+        count = len(addresses) if len(addresses) > 1 else 1
+    else:
+        count = _int("num_processes", num_processes, sources.get("num_processes", ""))
+    if count < 1:
+        raise ValueError(f"num_processes must be >= 1; got num_processes={count}{origin('num_processes')}")
+    # Keras' check; one address alone is the coordinator's, as with the JAX backend.
+    if len(addresses) > 1 and len(addresses) != count:
+        raise ValueError(
+            f"The provided job_addresses {list(addresses)} has {len(addresses)} jobs, but num_processes "
+            f"is {count}{origin('job_addresses', 'num_processes')}"
+        )
+    if process_id is None:
+        if count > 1:
+            raise ValueError(
+                f"process_id is required when num_processes={count}; pass process_id= or set {ENV_PROCESS_ID}"
+            )
+        process_id = 0
+    pid = _int("process_id", process_id, sources.get("process_id", ""))
+    if not 0 <= pid < count:
+        raise ValueError(
+            f"process_id must be in [0, num_processes); got process_id={pid}, num_processes={count}"
+            f"{origin('process_id', 'num_processes')}"
+        )
+    return addresses, count, pid
+
+
+class DistributionState:
+    """The process identity behind :func:`initialize`; tests make fresh instances.
+
+    One default instance sits behind the module functions. Several instances
+    can live in one process, e.g. threads standing in for processes.
+
+    Args:
+        address: the daemon :meth:`initialize` checks; default
+            :func:`xreduce.resolve_address` at that time.
+        timeout: seconds the daemon may take to answer that check.
+
+    Example:
+        >>> import xreduce
+        >>> state = DistributionState()
+        >>> with xreduce.serve_embedded(virtual_devices=2):
+        ...     state.initialize(num_processes=2, process_id=1).devices
+        ('cpu:0', 'cpu:1')
+        >>> state.process_id(), state.num_processes()
+        (1, 2)
+        >>> state.shutdown()
+        >>> state.is_initialized
+        False
+    """
+
+    def __init__(self, address: str | None = None, timeout: float = LIST_TIMEOUT):
+        self._address = address
+        self._timeout = timeout
+        self._info: ProcessInfo | None = None
+        self._lock = threading.Lock()
+
+    def initialize(self, job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,
+                   process_id: int | None = None) -> ProcessInfo:
+        """Validates and records this process's identity, after checking the daemon answers.
+
+        Each argument that is None falls back to its ``KERAS_DISTRIBUTION_*``
+        variable (see :func:`initialize`); nothing is recorded on failure.
+
+        Returns:
+            The recorded :class:`ProcessInfo`.
+
+        Raises:
+            RuntimeError: already initialized (call :meth:`shutdown` first).
+            ValueError: an invalid or inconsistent setting; the message names
+                the values received and where they came from.
+            xreduce.UnavailableError: the daemon cannot be reached; the message
+                names its address.
+        """
+        with self._lock:
+            if self._info is not None:
+                info = self._info
+                raise RuntimeError(
+                    "xreduce.distribution.initialize() should only be called once; this process is already "
+                    f"process_id={info.process_id} of num_processes={info.num_processes} (shutdown() first "
+                    "to initialize again)"
+                )
+            addresses, count, pid = _resolve(job_addresses, num_processes, process_id)
+            daemon, devices = self._check_daemon()
+            self._info = ProcessInfo(pid, count, addresses, daemon, devices)
+            return self._info
+
+    def _check_daemon(self) -> tuple[str, tuple[str, ...]]:
+        with Client(self._address, timeout=self._timeout) as client:
+            try:
+                by_type = _devices_by_type(client)
+            except DeadlineExceededError as e:
+                raise UnavailableError(
+                    f"xreduce daemon at {client.address} is unavailable: ListDevices got no answer within "
+                    f"{self._timeout}s ({e})", grpc.StatusCode.UNAVAILABLE,
+                ) from None
+            return client.address, tuple(d for kind in by_type.values() for d in kind)
+
+    def shutdown(self) -> None:
+        """Forgets the recorded identity; :meth:`initialize` may run again. Idempotent."""
+        with self._lock:
+            self._info = None
+
+    @property
+    def info(self) -> ProcessInfo | None:
+        """The recorded identity, or None before :meth:`initialize`."""
+        return self._info
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether :meth:`initialize` has succeeded (and no :meth:`shutdown` since)."""
+        return self._info is not None
+
+    def process_id(self) -> int:
+        """This process's id; 0 before :meth:`initialize` (a single process)."""
+        return self._info.process_id if self._info else 0
+
+    def num_processes(self) -> int:
+        """The job's process count; 1 before :meth:`initialize`."""
+        return self._info.num_processes if self._info else 1
+
+
+_global_state = DistributionState()
+
+
+def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> ProcessInfo:
+    """Records this process's place in a multi-process job (Keras' ``initialize``).
+
+    Each argument that is None is read from its environment variable,
+    ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` (comma-separated),
+    ``KERAS_DISTRIBUTION_NUM_PROCESSES`` and ``KERAS_DISTRIBUTION_PROCESS_ID``;
+    an argument given always wins. Still unset: ``num_processes`` is the number
+    of addresses (1 with none or one), ``process_id`` is 0 in a one-process job.
+    The daemon (:func:`xreduce.resolve_address`) must answer ``ListDevices``.
+
+    Args:
+        job_addresses: every process's ``host:port``, comma-separated or a list;
+            or just the coordinator's (process 0's).
+        num_processes: processes in the job.
+        process_id: this process, in ``[0, num_processes)``.
+
+    Returns:
+        The recorded :class:`ProcessInfo` (also :func:`process_info`).
+
+    Raises:
+        RuntimeError: called a second time without :func:`shutdown`.
+        ValueError: several addresses but not ``num_processes`` of them (Keras'
+            message), ``process_id`` out of range, a non-integer.
+        xreduce.UnavailableError: the daemon cannot be reached.
+
+    Example:
+        >>> import xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=2):
+        ...     info = initialize("10.0.0.1:1234,10.0.0.2:2345", num_processes=2, process_id=0)
+        >>> process_id(), num_processes(), info.coordinator_address
+        (0, 2, '10.0.0.1:1234')
+        >>> initialize(num_processes=2, process_id=5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: xreduce.distribution.initialize() should only be called once; ...
+        >>> shutdown()
+        >>> initialize(num_processes=2, process_id=5)
+        Traceback (most recent call last):
+        ...
+        ValueError: process_id must be in [0, num_processes); got process_id=5, num_processes=2
+    """
+    return _global_state.initialize(job_addresses, num_processes, process_id)
+
+
+def shutdown() -> None:
+    """Forgets what :func:`initialize` recorded, so it may be called again.
+
+    Example:
+        >>> shutdown()
+        >>> is_initialized()
+        False
+    """
+    _global_state.shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`initialize` has run (and no :func:`shutdown` since).
+
+    Example:
+        >>> is_initialized()
+        False
+    """
+    return _global_state.is_initialized
+
+
+def process_info() -> ProcessInfo | None:
+    """What :func:`initialize` recorded, or None before it.
+
+    Example:
+        >>> process_info() is None
+        True
+    """
+    return _global_state.info
+
+
+def process_id() -> int:
+    """This process's id in the job; 0 before :func:`initialize`.
+
+    Example:
+        >>> process_id()
+        0
+    """
+    return _global_state.process_id()
+
+
+def num_processes() -> int:
+    """The number of processes in the job; 1 before :func:`initialize`.
+
+    Example:
+        >>> num_processes()
+        1
+    """
+    return _global_state.num_processes()

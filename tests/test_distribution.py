@@ -1,0 +1,785 @@
+"""``xreduce.distribution``: Keras' distribution_lib tests, ported, against real daemons.
+
+The Keras tests that apply (DeviceMesh, TensorLayout, Distribution.scope,
+DataParallel, initialize's precedence) run here against an embedded daemon or
+the ``xreduced`` subprocess, never a mock; so do the xreduce additions
+(``distribute_batch``, ``all_reduce_gradients``) and the example script.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import xreduce
+from xreduce import distribution as dist
+from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, PerReplica, ReduceOp
+
+ENV = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "keras_utils.py"
+CPU8 = [f"cpu:{i}" for i in range(8)]
+
+
+def _canonical(names):
+    return tuple(xreduce.canonical(n) for n in names)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    """No KERAS_DISTRIBUTION_* from the caller's shell; no state left behind."""
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    dist.shutdown()
+    dist.set_distribution(None)
+
+
+@pytest.fixture
+def embedded():
+    """An in-process daemon with 4 host devices; the SDK talks to it by default."""
+    with xreduce.serve_embedded(virtual_devices=4) as address:
+        yield address
+
+
+@pytest.fixture
+def dead(monkeypatch):
+    """An address nothing listens on, made the SDK's default: any daemon call fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("XREDUCE_ADDRESS", address)
+    return address
+
+
+# --- list_devices --------------------------------------------------------------------------------------------
+
+
+def test_list_devices_in_keras_form(embedded):
+    assert dist.list_devices() == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert dist.get_device_count() == 4
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "CPU", "Cpu", " cpu "])
+def test_list_devices_type_is_case_insensitive(embedded, device_type):
+    assert dist.list_devices(device_type) == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert dist.get_device_count(device_type) == 4
+
+
+@pytest.mark.parametrize("device_type", ["gpu", "GPU", "tpu", "cuda"])
+def test_list_devices_absent_or_unknown_type_names_the_types_present(embedded, device_type):
+    message = f"device_type {device_type!r} is not served by the xreduce daemon at {embedded}; " \
+              "device types present: 'cpu' (4 devices)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dist.list_devices(device_type)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dist.get_device_count(device_type)
+
+
+def test_list_devices_rejects_a_non_string_type(embedded):
+    message = "device_type must be a string such as 'gpu' or 'cpu'; got 0 of type int"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dist.list_devices(0)
+
+
+def test_list_devices_of_the_real_daemon(daemon, monkeypatch):
+    monkeypatch.setenv("XREDUCE_ADDRESS", daemon.address)
+    assert dist.list_devices() == CPU8
+    assert dist.get_device_count("cpu") == 8
+
+
+def test_list_devices_unreachable_daemon_names_the_address(dead):
+    with pytest.raises(xreduce.UnavailableError, match=re.escape(dead)):
+        dist.list_devices()
+
+
+def _gpu_reason():
+    from xreduced.backends import cupy_backend
+
+    return cupy_backend.unavailable_reason()
+
+
+@pytest.mark.gpu
+def test_list_devices_prefers_gpus():
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.skip(f"GPU backend unavailable: {reason}")
+    with xreduce.serve_embedded(virtual_devices=2, backend="cupy"):
+        devices = dist.list_devices()
+        assert devices == [f"gpu:{i}" for i in range(len(devices))] and devices
+        assert dist.list_devices("GPU") == devices
+        with pytest.raises(ValueError, match="device types present: 'gpu'"):
+            dist.list_devices("cpu")
+
+
+# --- initialize ----------------------------------------------------------------------------------------------
+
+
+def test_initialize_with_explicit_params(embedded):
+    info = dist.initialize("10.0.0.1:1234,10.0.0.2:2345", 2, 1)
+    assert (info.process_id, info.num_processes) == (1, 2)
+    assert info.job_addresses == ("10.0.0.1:1234", "10.0.0.2:2345")
+    assert info.coordinator_address == "10.0.0.1:1234" and info.is_multi_process
+    assert info.daemon_address == embedded
+    assert info.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+    assert dist.process_info() is info and dist.is_initialized()
+    assert (dist.process_id(), dist.num_processes()) == (1, 2)
+
+
+def test_initialize_with_env_vars(embedded, monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "10.0.0.1:1234,10.0.0.2:2345")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
+    info = dist.initialize()
+    assert (info.job_addresses, info.num_processes, info.process_id) == (("10.0.0.1:1234", "10.0.0.2:2345"), 2, 1)
+
+
+def test_initialize_reads_the_environment_only_for_arguments_that_are_none(embedded, monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "a:1,b:2,c:3")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "3")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "2")
+    info = dist.initialize(process_id=0)  # 0 is given, not None: the environment's 2 is not used
+    assert (info.job_addresses, info.num_processes, info.process_id) == (("a:1", "b:2", "c:3"), 3, 0)
+    dist.shutdown()
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
+    info = dist.initialize(job_addresses="x:1,y:2", num_processes=2)  # the environment's 3 processes are not read
+    assert (info.job_addresses, info.num_processes, info.process_id) == (("x:1", "y:2"), 2, 1)
+
+
+def test_initialize_argument_beats_an_environment_that_would_fail(embedded, monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "not-a-number")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "9")
+    info = dist.initialize(num_processes=4, process_id=3)
+    assert (info.num_processes, info.process_id, info.job_addresses) == (4, 3, ())
+
+
+def test_initialize_with_nones_is_one_process(embedded):
+    info = dist.initialize()
+    assert (info.process_id, info.num_processes, info.job_addresses) == (0, 1, ())
+    assert info.coordinator_address is None and not info.is_multi_process
+
+
+def test_initialize_num_processes_defaults_to_the_address_count(embedded):
+    info = dist.initialize(["a:1", "b:2", "c:3"], process_id=2)
+    assert (info.num_processes, info.process_id) == (3, 2)
+
+
+def test_initialize_one_address_is_the_coordinator(embedded):
+    info = dist.initialize("10.0.0.1:1234", num_processes=2, process_id=1)
+    assert info.coordinator_address == "10.0.0.1:1234" and info.num_processes == 2
+
+
+def test_empty_environment_variables_count_as_unset(embedded, monkeypatch):
+    for name in ENV:
+        monkeypatch.setenv(name, "")
+    info = dist.initialize()
+    assert (info.process_id, info.num_processes) == (0, 1)
+
+
+def test_second_initialize_is_a_runtime_error(embedded):
+    first = dist.initialize(num_processes=2, process_id=0)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "xreduce.distribution.initialize() should only be called once; this process is already "
+            "process_id=0 of num_processes=2")):
+        dist.initialize(num_processes=2, process_id=1)
+    assert dist.process_info() is first
+    dist.shutdown()
+    dist.shutdown()  # idempotent
+    assert not dist.is_initialized() and (dist.process_id(), dist.num_processes()) == (0, 1)
+    assert dist.initialize(num_processes=2, process_id=1).process_id == 1
+
+
+@pytest.mark.parametrize("pid, count", [(5, 2), (2, 2), (-1, 2), (1, 1)])
+def test_process_id_out_of_range(dead, pid, count):
+    # Validation comes before the daemon check: the dead address is never called.
+    message = f"process_id must be in [0, num_processes); got process_id={pid}, num_processes={count}"
+    with pytest.raises(ValueError) as info:
+        dist.initialize(num_processes=count, process_id=pid)
+    assert str(info.value) == message
+    assert not dist.is_initialized()
+
+
+def test_process_id_out_of_range_from_the_environment_says_so(dead, monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "5")
+    with pytest.raises(ValueError) as info:
+        dist.initialize()
+    assert str(info.value) == (
+        "process_id must be in [0, num_processes); got process_id=5, num_processes=2 "
+        "(process_id from KERAS_DISTRIBUTION_PROCESS_ID, num_processes from KERAS_DISTRIBUTION_NUM_PROCESSES)"
+    )
+
+
+def test_address_count_must_match_num_processes(dead, monkeypatch):
+    keras_message = ("The provided job_addresses ['10.0.0.1:1234', '10.0.0.2:2345'] has 2 jobs, "
+                     "but num_processes is 3")
+    with pytest.raises(ValueError) as info:
+        dist.initialize("10.0.0.1:1234,10.0.0.2:2345", 3, 0)
+    assert str(info.value) == keras_message
+    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "10.0.0.1:1234,10.0.0.2:2345")
+    with pytest.raises(ValueError, match=re.escape(keras_message + " (job_addresses from "
+                                                   "KERAS_DISTRIBUTION_JOB_ADDRESSES)")):
+        dist.initialize(num_processes=3, process_id=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, message",
+    [
+        ({"num_processes": 2}, {}, "process_id is required when num_processes=2; pass process_id= or set "
+                                   "KERAS_DISTRIBUTION_PROCESS_ID"),
+        ({"num_processes": 0, "process_id": 0}, {}, "num_processes must be >= 1; got num_processes=0"),
+        ({"num_processes": "2", "process_id": 0}, {}, "num_processes must be an integer; got '2' of type str"),
+        ({"num_processes": True, "process_id": 0}, {}, "num_processes must be an integer; got True of type bool"),
+        ({"num_processes": 2, "process_id": 0.0}, {}, "process_id must be an integer; got 0.0 of type float"),
+        ({}, {"KERAS_DISTRIBUTION_NUM_PROCESSES": "two"},
+         "KERAS_DISTRIBUTION_NUM_PROCESSES must be an integer; got 'two'"),
+        ({"num_processes": 2}, {"KERAS_DISTRIBUTION_PROCESS_ID": "first"},
+         "KERAS_DISTRIBUTION_PROCESS_ID must be an integer; got 'first'"),
+        ({"job_addresses": "a:1,,b:2"}, {}, "job_addresses has an empty address; got 'a:1,,b:2'"),
+        ({"job_addresses": 7}, {}, "job_addresses must be a comma-separated string or a list of strings; got 7"),
+    ],
+    ids=["no-process-id", "zero-processes", "string-argument", "bool", "float", "env-not-int", "env-pid-not-int",
+         "empty-address", "address-type"],
+)
+def test_initialize_rejects_bad_settings(dead, monkeypatch, kwargs, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        dist.initialize(**kwargs)
+    assert str(info.value).startswith(message), str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_initialize_unreachable_daemon_names_the_address(dead):
+    with pytest.raises(xreduce.UnavailableError, match=re.escape(f"xreduce daemon at {dead} is unavailable")):
+        dist.initialize()
+    assert not dist.is_initialized()
+    state = dist.DistributionState(address=dead)
+    with pytest.raises(xreduce.UnavailableError, match=re.escape(dead)):
+        state.initialize(num_processes=2, process_id=1)
+    assert state.info is None
+
+
+def test_fresh_states_stand_in_for_processes(daemon):
+    """Two states in two threads, each its own process of a two-process job, against the real daemon."""
+    states = [dist.DistributionState(address=daemon.address) for _ in range(2)]
+    infos: dict[int, dist.ProcessInfo] = {}
+
+    def run(i):
+        infos[i] = states[i].initialize("h0:1,h1:1", process_id=i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [infos[i].process_id for i in range(2)] == [0, 1]
+    assert all(infos[i].num_processes == 2 and infos[i].daemon_address == daemon.address for i in range(2))
+    assert infos[0].devices == tuple(CPU8)
+    assert [s.process_id() for s in states] == [0, 1]
+    assert not dist.is_initialized(), "the default instance is untouched"
+    for s in states:
+        s.shutdown()
+    assert [s.is_initialized for s in states] == [False, False]
+
+
+# --- DeviceMesh ----------------------------------------------------------------------------------------------
+
+
+def test_mesh_creation():
+    shape, axis_names = (4, 2), ["batch", "model"]
+    mesh = dist.DeviceMesh(shape, axis_names, CPU8)
+    assert mesh.shape == shape
+    assert mesh.axis_names == axis_names
+    assert mesh.devices.shape == shape
+    assert mesh.devices[1, 0] == "cpu:2" and mesh.devices.tolist()[3] == ["cpu:6", "cpu:7"]
+    assert repr(mesh) == "<DeviceMesh shape=(4, 2), axis_names=['batch', 'model']>"
+
+
+def test_mesh_input_validation():
+    devices = [f"cpu:{i}" for i in range(4)]
+    with pytest.raises(ValueError, match="Shape and axis_names cannot be empty"):
+        dist.DeviceMesh((4,), "", devices)
+    with pytest.raises(ValueError, match="Shape and axis_names should have same size"):
+        dist.DeviceMesh((4, 2), ["batch"], devices)
+    with pytest.raises(ValueError, match="Shape does not match the number of devices") as info:
+        dist.DeviceMesh((4, 2), ["batch", "model"], devices)
+    assert "shape=(4, 2) (8 devices)" in str(info.value) and "devices.shape=(4,) (4 devices)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "shape, axis_names, message",
+    [
+        ((), ["batch"], "Shape and axis_names cannot be empty. Received: shape=(), axis_names=['batch']"),
+        ((4, 0), ["a", "b"], "shape must be positive integers such as (8,) or (4, 2); got shape=(4, 0)"),
+        ((-4,), ["a"], "shape must be positive integers such as (8,) or (4, 2); got shape=(-4,)"),
+        (("4",), ["a"], "shape must be positive integers such as (8,) or (4, 2); got shape=('4',)"),
+        ((4,), "batch", "axis_names must be a list of non-empty strings, one per axis; got 'batch'"),
+        ((2, 2), ["a", "a"], "axis_names must be distinct; got ['a', 'a']"),
+        ((2, 2), ["a", None], "axis_names must be a list of non-empty strings, one per axis; got ['a', None]"),
+    ],
+    ids=["empty-shape", "zero-dim", "negative-dim", "string-dim", "string-axis-names", "repeated-axis", "none-axis"],
+)
+def test_mesh_rejects_bad_shapes_and_axis_names(shape, axis_names, message):
+    with pytest.raises(ValueError) as info:
+        dist.DeviceMesh(shape, axis_names, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    assert str(info.value) == message
+
+
+def test_mesh_takes_every_device_spec_form():
+    forms = ["gpu:0", "/gpu:1", "GPU:2", "/device:GPU:3", "/job:localhost/replica:0/task:0/device:GPU:4", "Gpu:5"]
+    mesh = dist.DeviceMesh(6, ["batch"], forms)
+    assert mesh.shape == (6,)
+    assert mesh.devices.tolist() == [f"gpu:{i}" for i in range(6)]
+    other = dist.DeviceMesh((1,), ["batch"], ["/job:worker/replica:0/task:1/device:GPU:0"])
+    assert other.devices.tolist() == ["/job:worker/replica:0/task:1/device:GPU:0"]
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        (["cpu:0", "/cpu:0"], "devices names ['cpu:0'] more than once"),
+        (["cpu:0", "tpu:0"], "Unknown attribute 'tpu:0' is encountered while parsing the device spec: 'tpu:0'."),
+        (["cpu:0", 1], "a device name must be a string such as 'GPU:0'; got 1 of type int"),
+        ("cpu:0", "devices must be a list of device names; got the string 'cpu:0'"),
+        ([], "devices can not be empty; got [] (pass devices=None for every device of list_devices())"),
+    ],
+    ids=["repeated", "tpu", "not-a-string", "a-string", "empty"],
+)
+def test_mesh_rejects_bad_devices(devices, message):
+    with pytest.raises(ValueError) as info:
+        dist.DeviceMesh((2,), ["batch"], devices)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_mesh_devices_are_read_only():
+    mesh = dist.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="read-only"):
+        mesh.devices[0] = "cpu:7"
+
+
+def test_constructing_with_devices_needs_no_daemon(dead):
+    mesh = dist.DeviceMesh((4, 2), ["batch", "model"], CPU8)
+    layout = dist.TensorLayout(("batch", None), mesh)
+    dp = dist.DataParallel(devices=CPU8)
+    assert dp.get_data_layout((16, 3)).axes == ("batch", None)
+    assert dist.DataParallel(device_mesh=dist.DeviceMesh((8,), ["data"], CPU8)).batch_dim_name == "data"
+    lazy = dist.DataParallel()  # devices from list_devices(), not asked for yet
+    assert lazy.batch_dim_name == "batch" and "every device of list_devices()" in repr(lazy)
+    assert dist.DeviceMesh((4,), ["batch"]).shape == (4,)
+    x = dp.distribute_batch(np.arange(16.0))
+    assert layout.device_mesh is mesh and len(x) == 8
+    with pytest.raises(xreduce.UnavailableError, match=re.escape(dead)):
+        _ = lazy.device_mesh
+
+
+def test_mesh_default_devices_come_from_list_devices_when_first_read(dead):
+    mesh = dist.DeviceMesh((2, 2), ["batch", "model"])  # the dead daemon is never asked
+    too_big = dist.DeviceMesh((8,), ["batch"])
+    with xreduce.serve_embedded(virtual_devices=4):
+        assert mesh.devices.tolist() == [["cpu:0", "cpu:1"], ["cpu:2", "cpu:3"]]
+        with pytest.raises(ValueError, match=re.escape(
+                "Shape does not match the number of devices. Received: shape=(8,) (8 devices); "
+                "devices.shape=(4,) (4 devices) from list_devices()")):
+            _ = too_big.devices
+    assert mesh.devices[1, 1] == "cpu:3", "resolved once, then kept"
+
+
+# --- TensorLayout --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mesh42():
+    return dist.DeviceMesh((4, 2), ["data", "model"], CPU8)
+
+
+def test_tensor_layout_creation(mesh42):
+    axes = ("data", None)
+    layout = dist.TensorLayout(axes, mesh42)
+    assert layout.device_mesh is mesh42
+    assert layout.axes == axes
+    assert dist.TensorLayout(["data", "model"]).axes == ("data", "model")
+
+
+def test_tensor_layout_validation(mesh42):
+    with pytest.raises(ValueError, match="Invalid axis names for Layout") as info:
+        dist.TensorLayout(("data", "unknown", None), mesh42)
+    assert str(info.value) == "Invalid axis names for Layout. Valid axis names: ['data', 'model'], Got ['unknown']"
+
+
+def test_lazy_device_mesh_injection(mesh42):
+    layout = dist.TensorLayout(("data", None), None)
+    assert layout.device_mesh is None and layout.axes == ("data", None)
+    layout.device_mesh = mesh42
+    assert layout.device_mesh is mesh42 and layout.axes == ("data", None)
+    with pytest.raises(ValueError, match="Cannot override device mesh value. Existing value is <DeviceMesh"):
+        layout.device_mesh = mesh42
+
+
+def test_lazy_device_mesh_validation(mesh42):
+    layout = dist.TensorLayout(("data", "unknown", None), None)
+    assert layout.device_mesh is None and layout.axes == ("data", "unknown", None)
+    with pytest.raises(ValueError, match="Invalid axis names for Layout"):
+        layout.device_mesh = mesh42
+    assert layout.device_mesh is None, "a rejected mesh is not kept"
+
+
+@pytest.mark.parametrize(
+    "axes, mesh, message",
+    [
+        ("data", None, "axes must be a tuple of mesh axis names or None, one per dimension; got 'data'"),
+        (("data", 0), None, "axes must be mesh axis names (strings) or None; got axes=('data', 0)"),
+        (("data", "data"), None, "axes can map a mesh axis to one dimension only; got axes=('data', 'data')"),
+        (("data",), "mesh", "device_mesh must be a DeviceMesh; got 'mesh' of type str"),
+    ],
+    ids=["string", "int-axis", "repeated", "not-a-mesh"],
+)
+def test_tensor_layout_rejects(axes, mesh, message):
+    with pytest.raises(ValueError) as info:
+        dist.TensorLayout(axes, mesh)
+    assert str(info.value) == message
+
+
+# --- Distribution --------------------------------------------------------------------------------------------
+
+
+def test_distribution_init_with_device_mesh(mesh42):
+    d = dist.Distribution(mesh42)
+    assert d.device_mesh is mesh42
+    assert repr(d) == "<Distribution device_mesh=<DeviceMesh shape=(4, 2), axis_names=['data', 'model']>>"
+    with pytest.raises(ValueError, match="device_mesh must be a DeviceMesh; got None of type NoneType"):
+        dist.Distribution(None)
+
+
+def test_scope(mesh42):
+    distribution_1 = dist.Distribution(mesh42)
+    distribution_2 = dist.Distribution(mesh42)
+    assert dist.distribution() is None
+    with distribution_1.scope():
+        assert dist.distribution() is distribution_1
+        with distribution_2.scope() as inner:
+            assert inner is distribution_2 and dist.distribution() is distribution_2
+        assert dist.distribution() is distribution_1
+    assert dist.distribution() is None
+
+
+def test_scope_restores_a_set_distribution_even_after_an_error(mesh42):
+    outer, inner = dist.Distribution(mesh42), dist.DataParallel(devices=CPU8)
+    dist.set_distribution(outer)
+    with pytest.raises(KeyError), inner.scope():
+        assert dist.distribution() is inner
+        raise KeyError("boom")
+    assert dist.distribution() is outer
+
+
+def test_set_distribution_takes_a_distribution_or_none(mesh42):
+    message = "set_distribution takes a Distribution or None; got 'dp' of type str"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dist.set_distribution("dp")
+    d = dist.Distribution(mesh42)
+    dist.set_distribution(d)
+    assert dist.distribution() is d
+    dist.set_distribution(None)
+    assert dist.distribution() is None
+
+
+def test_distribution_is_per_thread_as_in_keras(mesh42):
+    dist.set_distribution(dist.Distribution(mesh42))
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(dist.distribution()))
+    t.start()
+    t.join(10)
+    assert seen == [None]
+
+
+def test_base_distribution_defines_no_layouts(mesh42):
+    d = dist.Distribution(mesh42)
+    for call in (lambda: d.get_data_layout((4, 2)), lambda: d.get_variable_layout(np.zeros(2)),
+                 lambda: d.get_tensor_layout("x")):
+        with pytest.raises(NotImplementedError, match="Distribution defines no"):
+            call()
+    with pytest.raises(NotImplementedError, match="DataParallel.distribute_batch"):
+        dist.DataParallel(devices=CPU8).distribute_dataset([1, 2])
+
+
+# --- DataParallel --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mesh8():
+    return dist.DeviceMesh((8,), ["data"], CPU8)
+
+
+def test_create_with_device_mesh(mesh8):
+    d = dist.DataParallel(device_mesh=mesh8)
+    assert d.device_mesh is mesh8
+    assert len(d.device_mesh.devices) == 8
+    assert d.device_mesh.axis_names == ["data"]
+    assert d.batch_dim_name == "data"
+
+
+def test_create_with_devices():
+    d = dist.DataParallel(devices=CPU8)
+    assert len(d.device_mesh.devices) == 8
+    assert d.device_mesh.axis_names == ["batch"]
+    assert d.batch_dim_name == "batch"
+
+
+def test_create_with_list_devices(embedded):
+    d = dist.DataParallel()
+    assert d.device_mesh.devices.tolist() == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert d.device_mesh.axis_names == ["batch"] and d.batch_dim_name == "batch"
+    assert repr(d) == ("<DataParallel device_mesh=<DeviceMesh shape=(4,), axis_names=['batch']>, "
+                       "batch_dim_name='batch'>")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"devices": []}, "devices can not be empty; got [] (pass devices=None for every device of list_devices())"),
+        ({"devices": [["cpu:0", "cpu:1"], ["cpu:2", "cpu:3"]]},
+         "devices must be a flat list of device names; got an array of shape (2, 2)"),
+        ({"device_mesh": "mesh"},
+         "Expect `mesh` to be an instance of `DeviceMesh`. Received: mesh='mesh' (of type <class 'str'>)"),
+        ({"device_mesh": dist.DeviceMesh((1,), ["b"], ["cpu:0"]), "devices": ["cpu:0"]},
+         "DataParallel takes device_mesh or devices, not both; got device_mesh=<DeviceMesh shape=(1,), "
+         "axis_names=['b']>, devices=['cpu:0']"),
+        ({"devices": ["cpu:0"], "cross_device_ops": "hierarchical"},
+         "cross_device_ops must be a CrossDeviceOps; got str"),
+    ],
+    ids=["empty-devices", "2d-devices", "not-a-mesh", "both", "bad-ops"],
+)
+def test_data_parallel_rejects(dead, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        dist.DataParallel(**kwargs)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_two_dimensional_mesh_warns_and_splits_along_the_first_axis():
+    mesh = dist.DeviceMesh((2, 2), ["batch", "model"], ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    with pytest.warns(UserWarning, match=re.escape(
+            "Expect the input mesh to be 1D, but received mesh.devices.ndim=2. The first axis ('batch') will be "
+            "used for data-parallel sharding.")):
+        d = dist.DataParallel(device_mesh=mesh)
+    assert d.batch_dim_name == "batch"
+    x = d.distribute_batch(np.arange(4))
+    assert [v.tolist() for v in x.values] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert x.devices == _canonical(["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+
+
+def test_get_data_layout(mesh8):
+    d = dist.DataParallel(device_mesh=mesh8)
+    layout = d.get_data_layout(np.arange(16).reshape((4, 2, 2)).shape)
+    assert layout.device_mesh is mesh8
+    assert layout.axes == ("data", None, None)
+    with pytest.raises(ValueError, match=re.escape("data_shape needs a batch dimension; got data_shape=()")):
+        d.get_data_layout(())
+
+
+def test_get_variable_layout(mesh8):
+    d = dist.DataParallel(device_mesh=mesh8)
+    layout = d.get_variable_layout(np.array([1, 2, 3]))
+    assert layout.device_mesh is mesh8 and layout.axes == (None,)
+    with pytest.raises(ValueError, match="variable must have a shape; got list"):
+        d.get_variable_layout([1, 2, 3])
+
+
+def test_get_tensor_layout(mesh8):
+    assert dist.DataParallel(device_mesh=mesh8).get_tensor_layout("path/to/tensor") is None
+
+
+# --- distribute_batch ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, n", [(10, 4), (8, 4), (4, 4), (7, 3), (9, 1)])
+def test_distribute_batch_splits_as_numpy_array_split(rows, n):
+    devices = [f"cpu:{i}" for i in range(n)]
+    batch = np.arange(rows * 3).reshape(rows, 3)
+    x = dist.DataParallel(devices=devices).distribute_batch(batch)
+    assert isinstance(x, PerReplica) and x.devices == _canonical(devices)
+    expected = np.array_split(batch, n)
+    assert [v.shape for v in x.values] == [e.shape for e in expected]
+    for got, want in zip(x.values, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_distribute_batch_keeps_the_structure():
+    Batch = collections.namedtuple("Batch", "x y")
+    dp = dist.DataParallel(devices=["cpu:0", "cpu:1"])
+    x, y = np.arange(12.0).reshape(6, 2), np.arange(6)
+    pair = dp.distribute_batch((x, y))
+    assert isinstance(pair, tuple) and [v.tolist() for v in pair[1].values] == [[0, 1, 2], [3, 4, 5]]
+    named = dp.distribute_batch(Batch(x, y))
+    assert isinstance(named, Batch) and named.x.values[1].tolist() == [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]
+    nested = dp.distribute_batch({"features": [x], "label": y})
+    assert set(nested) == {"features", "label"} and isinstance(nested["features"][0], PerReplica)
+
+
+def test_distribute_batch_needs_as_many_rows_as_devices():
+    with pytest.raises(ValueError) as info:
+        dist.DataParallel(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).distribute_batch(np.zeros((3, 2)))
+    assert str(info.value) == ("distribute_batch: a batch of 3 rows can not be split across 4 data-parallel "
+                               "replicas (mesh axis 'batch' of size 4); give at least 4 rows")
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        ((np.zeros((4, 2)), np.zeros(5)),
+         "distribute_batch: every array of the batch must have the same number of rows; "
+         "batch[0] has 4, batch[1] has 5"),
+        (np.float64(3.0),
+         "distribute_batch: batch must be an array with a batch (first) dimension; got float64 of shape ()"),
+        ({"x": 1.5}, "distribute_batch: batch['x'] must be an array with a batch (first) dimension; got float 1.5"),
+        ((), "distribute_batch: the batch holds no arrays; got ()"),
+    ],
+    ids=["rows-differ", "0-d", "python-scalar", "empty"],
+)
+def test_distribute_batch_rejects(batch, message):
+    with pytest.raises(ValueError) as info:
+        dist.DataParallel(devices=["cpu:0", "cpu:1"]).distribute_batch(batch)
+    assert str(info.value) == message
+
+
+# --- all_reduce_gradients ------------------------------------------------------------------------------------
+
+
+def _per_replica(arrays, devices=None):
+    return PerReplica(list(arrays), devices=devices)
+
+
+def test_all_reduce_gradients_mean_equals_numpy_mean(embedded):
+    dp = dist.DataParallel()
+    rng = np.random.default_rng(7)
+    whole = rng.integers(-50, 50, size=(4, 3, 5)).astype(np.float64)  # exact in any summation order
+    out = dp.all_reduce_gradients(_per_replica(whole))
+    assert isinstance(out, Mirrored) and out.devices == _canonical(dist.list_devices())
+    for copy in out.values:
+        np.testing.assert_array_equal(copy, whole.mean(axis=0))
+    noisy = rng.normal(size=(4, 7)).astype(np.float32)
+    out = dp.all_reduce_gradients(_per_replica(noisy), ReduceOp.MEAN)
+    for copy in out.values:
+        assert copy.dtype == np.float32
+        np.testing.assert_allclose(copy, noisy.mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_all_reduce_gradients_list_sum_and_mixed_dtypes(embedded):
+    dp = dist.DataParallel()
+    kernel = np.arange(4 * 6, dtype=np.float32).reshape(4, 2, 3)
+    bias = np.arange(4, dtype=np.float64).reshape(4, 1)
+    counts = np.arange(4, dtype=np.int32).reshape(4, 1) * 10
+    outs = dp.all_reduce_gradients([_per_replica(kernel), _per_replica(bias), _per_replica(counts)], "sum")
+    assert isinstance(outs, list) and len(outs) == 3
+    for out, whole in zip(outs, (kernel, bias, counts)):
+        assert isinstance(out, Mirrored) and len(out) == 4
+        for copy in out.values:
+            assert copy.dtype == whole.dtype
+            np.testing.assert_array_equal(copy, whole.sum(axis=0))
+    assert dp.all_reduce_gradients([]) == []
+
+
+def test_all_reduce_gradients_of_distributed_batches(embedded):
+    dp = dist.DataParallel()
+    x = dp.distribute_batch(np.arange(24.0).reshape(8, 3))
+    means = PerReplica([v.mean(axis=0) for v in x.values], devices=x.devices)
+    out = dp.all_reduce_gradients(means)
+    np.testing.assert_array_equal(out.values[2], np.arange(24.0).reshape(8, 3).mean(axis=0))
+
+
+def test_values_without_devices_go_to_the_distribution_devices(embedded):
+    dp = dist.DataParallel(devices=["cpu:3", "cpu:1"])
+    out = dp.all_reduce_gradients(_per_replica([np.array([1.0]), np.array([3.0])]))
+    assert out.devices == _canonical(["cpu:3", "cpu:1"])
+    assert [v.tolist() for v in out.values] == [[2.0], [2.0]]
+
+
+def test_one_device_gives_an_array(embedded):
+    out = dist.DataParallel(devices=["cpu:2"]).all_reduce_gradients(_per_replica([np.array([1.0, 2.0])]))
+    assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "grads, op, error, message",
+    [
+        ("grads", "mean", ValueError, "all_reduce_gradients takes a PerReplica or a list of them; got str"),
+        ([np.zeros(2)], "mean", ValueError, "per_replica_grads[0] must be a PerReplica; got ndarray"),
+        (PerReplica([np.zeros(1)] * 3), "mean", ValueError,
+         "per_replica_grads has 3 values but the distribution has 2 devices ['cpu:0', 'cpu:1']"),
+        ([PerReplica([np.zeros(1)] * 2), PerReplica([np.zeros(1)])], "mean", ValueError,
+         "per_replica_grads[1] has 1 values but the distribution has 2 devices ['cpu:0', 'cpu:1']"),
+        (PerReplica([np.zeros(1)] * 2), "max", ValueError, "`reduce_op` must be Reduce.SUM or Reduce.MEAN.; got 'max'"),
+    ],
+    ids=["not-a-list", "array", "too-many", "too-few", "max"],
+)
+def test_all_reduce_gradients_rejects(dead, grads, op, error, message):
+    with pytest.raises(error) as info:
+        dist.DataParallel(devices=["cpu:0", "cpu:1"]).all_reduce_gradients(grads, op)
+    assert str(info.value) == message
+
+
+def test_all_reduce_gradients_on_the_real_daemon(daemon):
+    ops = HierarchicalCopyAllReduce(num_packs=2, address=daemon.address)
+    dp = dist.DataParallel(devices=CPU8, cross_device_ops=ops)
+    assert dp.cross_device_ops is ops
+    whole = np.arange(8 * 10, dtype=np.float64).reshape(8, 10)
+    out = dp.all_reduce_gradients([_per_replica(whole), _per_replica(whole * 2)])
+    for copy in out[0].values:
+        np.testing.assert_array_equal(copy, whole.mean(axis=0))
+    np.testing.assert_array_equal(out[1].values[7], (whole * 2).mean(axis=0))
+
+
+def test_daemon_errors_reach_the_caller(embedded):
+    dp = dist.DataParallel(devices=["cpu:0", "cpu:9"])
+    with pytest.raises(xreduce.NotFoundError, match="CPU:9"):
+        dp.all_reduce_gradients(_per_replica([np.zeros(1), np.zeros(1)]))
+
+
+# --- the public surface and the example ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in dist.__all__ if n != "DEFAULT_BATCH_DIM_NAME"])
+def test_every_public_name_has_an_example(name):
+    doc = getattr(dist, name).__doc__ or ""
+    assert ">>> " in doc, f"{name} has no runnable example"
+
+
+def _example_env(**extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ENV and k != "XREDUCE_ADDRESS"}
+    env.update(extra)
+    return env
+
+
+def test_example_runs_embedded():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--embedded"], capture_output=True, text=True,
+                          timeout=60, env=_example_env())
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "list_devices(): ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']" in out
+    assert "get_device_count(): 4" in out
+    assert "initialize(): process_id=0 num_processes=1" in out
+    assert "global batch of 30 rows -> rows per device [8, 8, 7, 7]" in out
+    steps = re.findall(r"step (\d+): loss\s+([\d.]+) .*\|all-reduce - numpy mean\| ([\d.e+-]+)", out)
+    assert [int(s[0]) for s in steps] == list(range(1, 9))
+    losses = [float(s[1]) for s in steps]
+    assert losses[-1] < losses[0] / 100, losses
+    assert all(float(s[2]) < 1e-12 for s in steps), steps
+    learned = re.search(r"learned w=\[([^\]]*)\] b=(\S+)", out)
+    assert learned, out
+    np.testing.assert_allclose([float(v) for v in learned.group(1).split()], [2.0, -3.0, 0.5], atol=0.1)
+    assert abs(float(learned.group(2)) - 1.0) < 0.1
+    assert "distribution() after the scope: None" in out
+
+
+def test_example_without_a_daemon_says_where_it_looked(dead):
+    proc = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60,
+                          env=_example_env(XREDUCE_ADDRESS=dead))
+    assert proc.returncode == 1
+    assert f"xreduce daemon at {dead} is unavailable" in proc.stderr and "--embedded" in proc.stderr
