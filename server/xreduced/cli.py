@@ -29,19 +29,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    try:
-        daemon = Daemon(config).start()
-    except RuntimeError as e:
-        logging.getLogger("xreduced").error("event=start_failed error=%r", str(e))
-        return 1
     stop = threading.Event()
 
     def on_signal(signum, _frame):
         logging.getLogger("xreduced").info("event=signal signal=%s", signal.Signals(signum).name)
         stop.set()
 
+    # Handlers go in before the daemon says it serves: a signal sent then must stop it gracefully.
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    try:
+        daemon = Daemon(config).start()
+    except RuntimeError as e:
+        logging.getLogger("xreduced").error("event=start_failed error=%r", str(e))
+        return 1
     while not stop.wait(0.5):
         pass
     daemon.stop()

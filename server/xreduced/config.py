@@ -79,8 +79,8 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
     """Resolves the configuration: argument beats environment beats default.
 
     Raises:
-        ValueError: a setting is malformed; the message names the flag, its
-            environment twin and the value received.
+        ValueError: a setting is malformed; the message names the flag or the
+            environment variable the value came from, and the value received.
 
     Example:
         >>> resolve(["--virtual-devices", "4"], {"XREDUCE_VIRTUAL_DEVICES": "2"}).virtual_devices
@@ -106,19 +106,19 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
 
 def _check(field: str, value, source: str):
     if field == "backend":
-        value = value.lower()
-        if value not in ("auto", "numpy", "cupy"):
+        if value.lower() not in ("auto", "numpy", "cupy"):
             raise ValueError(f"{source} must be auto, numpy or cupy; got {value!r}")
+        value = value.lower()
     elif field == "log_level":
-        value = value.upper()
-        if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"{source} must be DEBUG, INFO, WARNING or ERROR; got {value!r}")
+        value = value.upper()
     elif field == "virtual_devices" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field == "max_message_bytes" and not 1 <= value <= _MAX_GRPC_MESSAGE:
         raise ValueError(f"{source} must be in [1, {_MAX_GRPC_MESSAGE}] (gRPC's limit); got {value}")
-    elif field in ("grace_seconds",) and value < 0:
-        raise ValueError(f"{source} must be >= 0; got {value}")
+    elif field == "grace_seconds" and not 0 <= value <= 3600:  # also refuses nan and inf
+        raise ValueError(f"{source} must be a number of seconds in [0, 3600]; got {value}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field == "listen" and not value:

@@ -20,6 +20,8 @@ from xreduced.executor import Deadline, execute
 
 SUM = "SUM"
 MEAN = "MEAN"
+MAX_NUM_PACKS = 65536
+"""More packs than this are refused: each pack is a separate reduction."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +142,8 @@ class Engine:
         """
         if op not in (SUM, MEAN):
             raise InvalidArgument(f"reduce_op must be SUM or MEAN; got {op!r}")
-        if num_packs < 0:
-            raise InvalidArgument(f"num_packs must be >= 0; got num_packs={num_packs}")
+        if not 0 <= num_packs <= MAX_NUM_PACKS:
+            raise InvalidArgument(f"num_packs must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
         fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(pairs))]
         resolved = []
         for (value, dests), field in zip(pairs, fields):

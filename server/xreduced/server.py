@@ -91,7 +91,7 @@ class Daemon:
         try:
             port = self.server.add_insecure_port(listen)
         except RuntimeError as e:
-            raise RuntimeError(f"--listen {listen}: cannot bind ({e})") from None
+            raise RuntimeError(f"cannot listen on {listen!r}: {e}") from None
         if listen.startswith("unix:"):
             self.address = listen
         else:
@@ -101,8 +101,10 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         devices = self.service.devices
-        log.info("event=serving address=%s backend=%s devices=%d names=%s", self.address,
-                 self.backend.name, len(devices), devices.listing().replace(" ", ""))
+        # Always logged, whatever the level: it is how a caller learns the bound address.
+        log.log(max(logging.INFO, log.getEffectiveLevel()),
+                "event=serving address=%s backend=%s devices=%d names=%s", self.address,
+                self.backend.name, len(devices), devices.listing().replace(" ", ""))
         return self
 
     def stop(self, grace: float | None = None) -> None:

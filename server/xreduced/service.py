@@ -17,7 +17,7 @@ from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 
 from xreduced import planner
 from xreduced.devices import DeviceTable
-from xreduced.engine import MEAN, SUM, Engine, Result, Value
+from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value
 from xreduced.errors import InvalidArgument, ServiceError
 from xreduced.executor import Deadline
 
@@ -137,8 +137,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 f"got {_enum_label(pb.Algorithm, request.algorithm)}"
             )
         num_packs = request.num_packs if request.HasField("num_packs") else 1
-        if num_packs < 0:
-            raise InvalidArgument(f"num_packs: must be >= 0; got num_packs={num_packs}")
+        if not 0 <= num_packs <= MAX_NUM_PACKS:
+            raise InvalidArgument(f"num_packs: must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
         algorithm = _ALGORITHMS[request.algorithm]
         reduce_to = None
         if request.reduce_to_device:
@@ -158,10 +158,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     def _deadline(self, request, context) -> Deadline:
         limits = []
         if request.HasField("timeout"):
-            seconds = request.timeout.ToTimedelta().total_seconds()
-            if seconds <= 0:
-                raise InvalidArgument(f"timeout: must be positive; got {seconds:g}s")
-            limits.append(seconds)
+            limits.append(_timeout_seconds(request.timeout))
         remaining = context.time_remaining()
         if remaining is not None:
             limits.append(remaining)
@@ -184,6 +181,24 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 for d, a in zip(result.devices, result.arrays)
             ]
         )
+
+
+MAX_TIMEOUT_SECONDS = 86400
+"""The longest ``timeout`` a request may ask for: one day."""
+
+
+def _timeout_seconds(timeout) -> float:
+    """A request's ``timeout`` in seconds, checked as protobuf defines a Duration."""
+    s, n = timeout.seconds, timeout.nanos
+    if not -999_999_999 <= n <= 999_999_999 or (s and n and (s < 0) != (n < 0)):
+        raise InvalidArgument(f"timeout: not a valid Duration; got {{seconds: {s}, nanos: {n}}}")
+    seconds = s + n / 1e9
+    label = f"{seconds:g}s"
+    if seconds <= 0:
+        raise InvalidArgument(f"timeout: must be positive; got {label}")
+    if seconds > MAX_TIMEOUT_SECONDS:
+        raise InvalidArgument(f"timeout: must be at most {MAX_TIMEOUT_SECONDS}s (one day); got {label}")
+    return seconds
 
 
 def _encoding(values) -> str:

@@ -1,0 +1,188 @@
+"""Unit tests of xreduced.config.resolve(): argument > environment > default."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from xreduced import config
+from xreduced.config import Config, resolve
+
+# setting: (argument value, expected from it, environment value, expected from it)
+SETTINGS = {
+    "listen": ("unix:/tmp/xreduced.sock", "unix:/tmp/xreduced.sock", "0.0.0.0:7000", "0.0.0.0:7000"),
+    "backend": ("NumPy", "numpy", "cupy", "cupy"),
+    "virtual_devices": ("5", 5, "3", 3),
+    "max_message_bytes": ("2048", 2048, "1000", 1000),
+    "log_level": ("debug", "DEBUG", "Warning", "WARNING"),
+    "grace_seconds": ("2.5", 2.5, "0", 0.0),
+    "workers": ("4", 4, "2", 2),
+}
+DEFAULTS = {
+    "listen": "127.0.0.1:50551",
+    "backend": "auto",
+    "virtual_devices": None,
+    "max_message_bytes": 1 << 30,
+    "log_level": "INFO",
+    "grace_seconds": 10.0,
+    "workers": 16,
+}
+FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
+ENV = {f: "XREDUCE_" + f.upper() for f in SETTINGS}
+
+
+def test_every_setting_is_covered():
+    assert set(SETTINGS) == set(DEFAULTS) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_defaults():
+    got = resolve([], {})
+    assert got == Config()
+    assert dataclasses.asdict(got) == DEFAULTS
+    assert config.DEFAULT_ADDRESS == DEFAULTS["listen"]
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_names(field):
+    assert config.flag_name(field) == FLAG[field]
+    assert config.env_name(field) == ENV[field]
+    assert f"{FLAG[field]} " in config.parser().format_help()
+    assert f"[env {ENV[field]}]" in " ".join(config.parser().format_help().split())
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_argument(field):
+    arg, want, _, _ = SETTINGS[field]
+    got = resolve([FLAG[field], arg], {})
+    assert getattr(got, field) == want
+    # Nothing else moves.
+    assert dataclasses.replace(got, **{field: DEFAULTS[field]}) == Config()
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_environment(field):
+    _, _, env, want = SETTINGS[field]
+    got = resolve([], {ENV[field]: env})
+    assert getattr(got, field) == want
+    assert dataclasses.replace(got, **{field: DEFAULTS[field]}) == Config()
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_argument_beats_environment(field):
+    arg, want, env, _ = SETTINGS[field]
+    assert getattr(resolve([FLAG[field], arg], {ENV[field]: env}), field) == want
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_argument_beats_a_bad_environment_value(field):
+    """The environment is not even read when the argument is given."""
+    arg, want, _, _ = SETTINGS[field]
+    assert getattr(resolve([FLAG[field], arg], {ENV[field]: "not valid"}), field) == want
+
+
+@pytest.mark.parametrize("field", SETTINGS)
+def test_empty_environment_value_means_unset(field):
+    assert getattr(resolve([], {ENV[field]: ""}), field) == DEFAULTS[field]
+
+
+def test_everything_from_the_environment_at_once():
+    env = {ENV[f]: v[2] for f, v in SETTINGS.items()}
+    assert dataclasses.asdict(resolve([], env)) == {f: v[3] for f, v in SETTINGS.items()}
+
+
+def test_everything_from_arguments_beats_everything_from_the_environment():
+    argv = [x for f, v in SETTINGS.items() for x in (FLAG[f], v[0])]
+    env = {ENV[f]: v[2] for f, v in SETTINGS.items()}
+    assert dataclasses.asdict(resolve(argv, env)) == {f: v[1] for f, v in SETTINGS.items()}
+
+
+def test_unrelated_environment_is_ignored():
+    assert resolve([], {"XREDUCE_UNKNOWN": "1", "WORKERS": "3", "xreduce_workers": "3"}) == Config()
+
+
+def test_environ_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv("XREDUCE_VIRTUAL_DEVICES", "6")
+    monkeypatch.setenv("XREDUCE_LOG_LEVEL", "ERROR")
+    got = resolve([])
+    assert (got.virtual_devices, got.log_level) == (6, "ERROR")
+
+
+@pytest.mark.parametrize(
+    "value, field, want",
+    [
+        pytest.param("1", "virtual_devices", 1, id="virtual-devices-1"),
+        pytest.param("1", "max_message_bytes", 1, id="max-message-bytes-1"),
+        pytest.param("2147483647", "max_message_bytes", 2147483647, id="max-message-bytes-grpc-max"),
+        pytest.param("0", "grace_seconds", 0.0, id="grace-seconds-0"),
+        pytest.param("1", "workers", 1, id="workers-1"),
+        pytest.param("AUTO", "backend", "auto", id="backend-AUTO"),
+        pytest.param("error", "log_level", "ERROR", id="log-level-error"),
+        pytest.param(" 7 ", "workers", 7, id="workers-padded"),
+    ],
+)
+def test_boundary_values_are_accepted(value, field, want):
+    assert getattr(resolve([FLAG[field], value], {}), field) == want
+    assert getattr(resolve([], {ENV[field]: value}), field) == want
+
+
+# (setting, bad value, the message after "<source> ")
+BAD = [
+    ("virtual_devices", "0", "must be >= 1; got 0"),
+    ("virtual_devices", "-2", "must be >= 1; got -2"),
+    ("virtual_devices", "four", "must be int; got 'four'"),
+    ("virtual_devices", "2.5", "must be int; got '2.5'"),
+    ("backend", "tpu", "must be auto, numpy or cupy; got 'tpu'"),
+    ("log_level", "LOUD", "must be DEBUG, INFO, WARNING or ERROR; got 'LOUD'"),
+    ("max_message_bytes", "0", "must be in [1, 2147483647] (gRPC's limit); got 0"),
+    ("max_message_bytes", "2147483648", "must be in [1, 2147483647] (gRPC's limit); got 2147483648"),
+    ("max_message_bytes", "1MiB", "must be int; got '1MiB'"),
+    ("grace_seconds", "-1", "must be a number of seconds in [0, 3600]; got -1.0"),
+    ("grace_seconds", "soon", "must be float; got 'soon'"),
+    ("workers", "0", "must be >= 1; got 0"),
+    ("workers", "-1", "must be >= 1; got -1"),
+    ("workers", "many", "must be int; got 'many'"),
+]
+BAD_IDS = [f"{f.replace('_', '-')}-{v}" for f, v, _ in BAD]
+
+
+@pytest.mark.parametrize("field, value, message", BAD, ids=BAD_IDS)
+def test_bad_argument_names_the_flag_and_value(field, value, message):
+    with pytest.raises(ValueError) as info:
+        resolve([FLAG[field], value], {})
+    assert str(info.value) == f"{FLAG[field]} {message}"
+
+
+@pytest.mark.parametrize("field, value, message", BAD, ids=BAD_IDS)
+def test_bad_environment_names_the_variable_and_value(field, value, message):
+    with pytest.raises(ValueError) as info:
+        resolve([], {ENV[field]: value})
+    assert str(info.value) == f"{ENV[field]} {message}"
+
+
+def test_empty_listen_argument():
+    with pytest.raises(ValueError) as info:
+        resolve(["--listen", ""], {})
+    assert str(info.value) == "--listen must be host:port or unix:PATH; got ''"
+
+
+def test_unknown_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        resolve(["--no-such-flag"], {})
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value", [("backend", "TPU"), ("log_level", "loud")], ids=["backend-TPU", "log-level-loud"]
+)
+def test_bad_value_is_quoted_as_received(field, value):
+    with pytest.raises(ValueError) as info:
+        resolve([FLAG[field], value], {})
+    assert f"got {value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_grace_seconds_is_rejected(value):
+    with pytest.raises(ValueError) as info:
+        resolve(["--grace-seconds", value], {})
+    assert "--grace-seconds" in str(info.value) and value in str(info.value)
