@@ -447,10 +447,11 @@ def test_signal_stops_cleanly(sig):
 
 
 def test_an_in_flight_call_completes_during_the_grace_period():
-    with running([*TCP, *NUMPY, "--grace-seconds", "60"]) as proc, stub_for(proc.address) as stub:
+    args = [*TCP, *NUMPY, "--grace-seconds", "60", "--log-level", "DEBUG"]
+    with running(args) as proc, stub_for(proc.address) as stub:
         wait_for(lambda: catches_sigterm(proc.proc.pid), what="the daemon's SIGTERM handler")
         thread, out = slow_reduce_in_thread(stub)
-        time.sleep(0.3)  # the request (2 MB) has long arrived and is being reduced
+        wait_for(lambda: "event=handling method=Reduce" in proc.log(), what="the daemon handling the slow call")
         proc.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: "event=stopping" in proc.log(), what="event=stopping")
         assert thread.is_alive(), "the slow call ended before shutdown began; make it slower"

@@ -41,6 +41,7 @@ def _status(handler):
 
     @functools.wraps(handler)
     def wrapper(self, request, context):
+        log.debug("event=handling method=%s peer=%s", handler.__name__, context.peer())
         try:
             return handler(self, request, context)
         except ServiceError as e:
