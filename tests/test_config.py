@@ -17,6 +17,7 @@ SETTINGS = {
     "log_level": ("debug", "DEBUG", "Warning", "WARNING"),
     "grace_seconds": ("2.5", 2.5, "0", 0.0),
     "workers": ("4", 4, "2", 2),
+    "collective_timeout": ("1.5", 1.5, "30", 30.0),
 }
 DEFAULTS = {
     "listen": "127.0.0.1:50551",
@@ -25,7 +26,8 @@ DEFAULTS = {
     "max_message_bytes": 1 << 30,
     "log_level": "INFO",
     "grace_seconds": 10.0,
-    "workers": 16,
+    "workers": 64,
+    "collective_timeout": 300.0,
 }
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
 ENV = {f: "XREDUCE_" + f.upper() for f in SETTINGS}
@@ -137,6 +139,8 @@ BAD = [
     ("max_message_bytes", "2147483648", "must be in [1, 2147483647] (gRPC's limit); got 2147483648"),
     ("max_message_bytes", "1MiB", "must be int; got '1MiB'"),
     ("grace_seconds", "-1", "must be a number of seconds in [0, 3600]; got -1.0"),
+    ("collective_timeout", "0", "must be a number of seconds in (0, 86400]; got 0.0"),
+    ("collective_timeout", "nan", "must be a number of seconds in (0, 86400]; got nan"),
     ("grace_seconds", "soon", "must be float; got 'soon'"),
     ("workers", "0", "must be >= 1; got 0"),
     ("workers", "-1", "must be >= 1; got -1"),

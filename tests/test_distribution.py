@@ -48,6 +48,31 @@ def embedded():
         yield address
 
 
+class Peers:
+    """The other processes of a multi-process job, as DistributionState threads joining the same daemon."""
+
+    def __init__(self, address: str, count: int, me: int):
+        self.states = {p: dist.DistributionState(address=address) for p in range(count) if p != me}
+        self.threads = [
+            threading.Thread(target=state.initialize, kwargs={"job_addresses": [], "num_processes": count,
+                                                              "process_id": p})
+            for p, state in self.states.items()
+        ]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.threads:
+            t.join(30)
+        joined = all(state.is_initialized for state in self.states.values())
+        for state in self.states.values():
+            state.shutdown()
+        assert exc[0] is not None or joined, "a peer did not join"
+
+
 @pytest.fixture
 def dead(monkeypatch):
     """An address nothing listens on, made the SDK's default: any daemon call fails."""
@@ -122,12 +147,15 @@ def test_list_devices_prefers_gpus():
 
 
 def test_initialize_with_explicit_params(embedded):
-    info = dist.initialize("10.0.0.1:1234,10.0.0.2:2345", 2, 1)
+    with Peers(embedded, 2, me=1):
+        info = dist.initialize("10.0.0.1:1234,10.0.0.2:2345", 2, 1)
     assert (info.process_id, info.num_processes) == (1, 2)
     assert info.job_addresses == ("10.0.0.1:1234", "10.0.0.2:2345")
     assert info.coordinator_address == "10.0.0.1:1234" and info.is_multi_process
     assert info.daemon_address == embedded
     assert info.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+    assert info.local_devices == ("cpu:2", "cpu:3") and info.group == "default"
+    assert dist.list_devices() == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     assert dist.process_info() is info and dist.is_initialized()
     assert (dist.process_id(), dist.num_processes()) == (1, 2)
 
@@ -136,7 +164,8 @@ def test_initialize_with_env_vars(embedded, monkeypatch):
     monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "10.0.0.1:1234,10.0.0.2:2345")
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
-    info = dist.initialize()
+    with Peers(embedded, 2, me=1):
+        info = dist.initialize()
     assert (info.job_addresses, info.num_processes, info.process_id) == (("10.0.0.1:1234", "10.0.0.2:2345"), 2, 1)
 
 
@@ -144,18 +173,21 @@ def test_initialize_reads_the_environment_only_for_arguments_that_are_none(embed
     monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "a:1,b:2,c:3")
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "3")
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "2")
-    info = dist.initialize(process_id=0)  # 0 is given, not None: the environment's 2 is not used
+    with Peers(embedded, 3, me=0):
+        info = dist.initialize(process_id=0)  # 0 is given, not None: the environment's 2 is not used
     assert (info.job_addresses, info.num_processes, info.process_id) == (("a:1", "b:2", "c:3"), 3, 0)
     dist.shutdown()
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
-    info = dist.initialize(job_addresses="x:1,y:2", num_processes=2)  # the environment's 3 processes are not read
+    with Peers(embedded, 2, me=1):
+        info = dist.initialize(job_addresses="x:1,y:2", num_processes=2)  # the environment's 3 processes: not read
     assert (info.job_addresses, info.num_processes, info.process_id) == (("x:1", "y:2"), 2, 1)
 
 
 def test_initialize_argument_beats_an_environment_that_would_fail(embedded, monkeypatch):
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "not-a-number")
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "9")
-    info = dist.initialize(num_processes=4, process_id=3)
+    with Peers(embedded, 4, me=3):
+        info = dist.initialize(num_processes=4, process_id=3)
     assert (info.num_processes, info.process_id, info.job_addresses) == (4, 3, ())
 
 
@@ -166,12 +198,14 @@ def test_initialize_with_nones_is_one_process(embedded):
 
 
 def test_initialize_num_processes_defaults_to_the_address_count(embedded):
-    info = dist.initialize(["a:1", "b:2", "c:3"], process_id=2)
+    with Peers(embedded, 3, me=2):
+        info = dist.initialize(["a:1", "b:2", "c:3"], process_id=2)
     assert (info.num_processes, info.process_id) == (3, 2)
 
 
 def test_initialize_one_address_is_the_coordinator(embedded):
-    info = dist.initialize("10.0.0.1:1234", num_processes=2, process_id=1)
+    with Peers(embedded, 2, me=1):
+        info = dist.initialize("10.0.0.1:1234", num_processes=2, process_id=1)
     assert info.coordinator_address == "10.0.0.1:1234" and info.num_processes == 2
 
 
@@ -183,7 +217,8 @@ def test_empty_environment_variables_count_as_unset(embedded, monkeypatch):
 
 
 def test_second_initialize_is_a_runtime_error(embedded):
-    first = dist.initialize(num_processes=2, process_id=0)
+    with Peers(embedded, 2, me=0):
+        first = dist.initialize(num_processes=2, process_id=0)
     with pytest.raises(RuntimeError, match=re.escape(
             "xreduce.distribution.initialize() should only be called once; this process is already "
             "process_id=0 of num_processes=2")):
@@ -192,7 +227,8 @@ def test_second_initialize_is_a_runtime_error(embedded):
     dist.shutdown()
     dist.shutdown()  # idempotent
     assert not dist.is_initialized() and (dist.process_id(), dist.num_processes()) == (0, 1)
-    assert dist.initialize(num_processes=2, process_id=1).process_id == 1
+    with Peers(embedded, 2, me=1):
+        assert dist.initialize(num_processes=2, process_id=1).process_id == 1
 
 
 @pytest.mark.parametrize("pid, count", [(5, 2), (2, 2), (-1, 2), (1, 1)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import threading
 
@@ -21,6 +23,48 @@ MAX_MESSAGE_BYTES = (1 << 31) - 1
 
 _embedded_address: list[str] = []  # set by serve_embedded(), innermost last
 _lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class ProcessGroup:
+    """This process's place in a multi-process job, as the daemon's JoinGroup gave it.
+
+    Every collective call of the SDK in this process takes the next sequence
+    number, so the k-th collective of every process meets the others' k-th.
+
+    Example:
+        >>> pg = ProcessGroup("train", 2, 1, ("/cpu:1",), ("/cpu:0", "/cpu:1"))
+        >>> [pg.next_spec().sequence for _ in range(2)]
+        [0, 1]
+    """
+
+    group: str
+    num_processes: int
+    process_id: int
+    local_devices: tuple[str, ...]
+    global_devices: tuple[str, ...]
+    _counter: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def next_spec(self) -> pb.CollectiveSpec:
+        """The ``CollectiveSpec`` of this process's next collective."""
+        with self._lock:
+            sequence = next(self._counter)
+        return pb.CollectiveSpec(group=self.group, num_processes=self.num_processes,
+                                 process_id=self.process_id, sequence=sequence)
+
+
+_process_group: list[ProcessGroup] = []
+
+
+def process_group() -> ProcessGroup | None:
+    """The multi-process job this process joined (``xreduce.distribution.initialize``), or None."""
+    return _process_group[0] if _process_group else None
+
+
+def set_process_group(group: ProcessGroup | None) -> None:
+    """Installs (or, with None, removes) this process's multi-process job."""
+    _process_group[:] = [group] if group is not None else []
 
 
 def resolve_address(address: str | None = None) -> str:

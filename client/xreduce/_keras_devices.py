@@ -11,12 +11,18 @@ from typing import Any
 
 import grpc
 
-from xreduce._client import Client
+from xreduce._client import Client, ProcessGroup, process_group, set_process_group
+from xreduce._devices import DeviceName
 from xreduce._errors import DeadlineExceededError, UnavailableError
+from xreduce.v1 import xreduce_pb2 as pb
 
 ENV_JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 ENV_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+ENV_GROUP = "XREDUCE_GROUP"
+"""The multi-process group's name (default ``default``): jobs sharing a daemon need different names."""
+ENV_LOCAL_DEVICES = "XREDUCE_LOCAL_DEVICES"
+"""This process's devices, comma-separated; unset lets the daemon assign a contiguous block."""
 
 LIST_TIMEOUT = 30.0
 """Seconds a ListDevices call may take: it answers from memory, so longer means unreachable."""
@@ -62,8 +68,9 @@ def list_devices(device_type: str | None = None) -> list[str]:
             when the daemon has any, else its CPU devices.
 
     Returns:
-        The devices of that type, in the daemon's order. These are the devices
-        of this node's daemon, not of the whole multi-process job.
+        The devices of that type, in the daemon's order. After a multi-process
+        :func:`initialize`, the global list: every process's devices, process
+        0's first, the same in every process.
 
     Raises:
         ValueError: the daemon has no device of ``device_type`` (the message
@@ -77,6 +84,13 @@ def list_devices(device_type: str | None = None) -> list[str]:
         (['cpu:0', 'cpu:1'], ['cpu:0', 'cpu:1'])
     """
     with Client(timeout=LIST_TIMEOUT) as client:
+        group = process_group()
+        if group is not None:
+            by_type: dict[str, list[str]] = {}
+            for name in group.global_devices:
+                keras = DeviceName.parse(name).keras
+                by_type.setdefault(keras.split(":")[0], []).append(keras)
+            return _select(by_type, device_type, client.address)
         return _select(_devices_by_type(client), device_type, client.address)
 
 
@@ -107,7 +121,10 @@ class ProcessInfo:
         num_processes: processes in the job.
         job_addresses: every process's address, or just the coordinator's, or none.
         daemon_address: the xreduce daemon this process checked at initialization.
-        devices: that daemon's devices, keras form (CPU and GPU alike).
+        devices: the job's devices, keras form: the daemon's, or with several
+            processes every process's devices, process 0's first.
+        local_devices: this process's devices, keras form.
+        group: the multi-process group's name, or None for one process.
 
     Example:
         >>> info = ProcessInfo(process_id=1, num_processes=2, job_addresses=("10.0.0.1:1234", "10.0.0.2:2345"))
@@ -120,6 +137,8 @@ class ProcessInfo:
     job_addresses: tuple[str, ...] = ()
     daemon_address: str | None = None
     devices: tuple[str, ...] = ()
+    local_devices: tuple[str, ...] = ()
+    group: str | None = None
 
     @property
     def coordinator_address(self) -> str | None:
@@ -221,15 +240,19 @@ class DistributionState:
         timeout: seconds the daemon may take to answer that check.
 
     Example:
-        >>> import xreduce
-        >>> state = DistributionState()
-        >>> with xreduce.serve_embedded(virtual_devices=2):
-        ...     state.initialize(num_processes=2, process_id=1).devices
-        ('cpu:0', 'cpu:1')
-        >>> state.process_id(), state.num_processes()
+        >>> import threading, xreduce
+        >>> states = [DistributionState(), DistributionState()]  # two "processes" as threads
+        >>> with xreduce.serve_embedded(virtual_devices=4):
+        ...     threads = [threading.Thread(target=s.initialize, kwargs={"num_processes": 2, "process_id": i})
+        ...                for i, s in enumerate(states)]
+        ...     for t in threads: t.start()
+        ...     for t in threads: t.join()
+        >>> states[1].info.local_devices, states[1].info.devices
+        (('cpu:2', 'cpu:3'), ('cpu:0', 'cpu:1', 'cpu:2', 'cpu:3'))
+        >>> states[1].process_id(), states[1].num_processes()
         (1, 2)
-        >>> state.shutdown()
-        >>> state.is_initialized
+        >>> states[1].shutdown()
+        >>> states[1].is_initialized
         False
     """
 
@@ -237,6 +260,7 @@ class DistributionState:
         self._address = address
         self._timeout = timeout
         self._info: ProcessInfo | None = None
+        self._group: ProcessGroup | None = None
         self._lock = threading.Lock()
 
     def initialize(self, job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,
@@ -266,8 +290,23 @@ class DistributionState:
                 )
             addresses, count, pid = _resolve(job_addresses, num_processes, process_id)
             daemon, devices = self._check_daemon()
-            self._info = ProcessInfo(pid, count, addresses, daemon, devices)
+            if count == 1:
+                self._info = ProcessInfo(pid, count, addresses, daemon, devices, devices)
+                return self._info
+            self._group = self._join(count, pid)
+            keras = [DeviceName.parse(d).keras for d in self._group.global_devices]
+            local = [DeviceName.parse(d).keras for d in self._group.local_devices]
+            self._info = ProcessInfo(pid, count, addresses, daemon, tuple(keras), tuple(local), self._group.group)
             return self._info
+
+    def _join(self, count: int, pid: int) -> ProcessGroup:
+        """Meets the other processes in the daemon (bounded by its --collective-timeout)."""
+        name = _env(ENV_GROUP) or "default"
+        requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
+        with Client(self._address) as client:
+            reply = client.call("JoinGroup", pb.JoinGroupRequest(
+                group=name, num_processes=count, process_id=pid, devices=requested))
+        return ProcessGroup(name, count, pid, tuple(reply.local_devices), tuple(reply.global_devices))
 
     def _check_daemon(self) -> tuple[str, tuple[str, ...]]:
         with Client(self._address, timeout=self._timeout) as client:
@@ -284,6 +323,12 @@ class DistributionState:
         """Forgets the recorded identity; :meth:`initialize` may run again. Idempotent."""
         with self._lock:
             self._info = None
+            self._group = None
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The multi-process group joined at :meth:`initialize`, or None."""
+        return self._group
 
     @property
     def info(self) -> ProcessInfo | None:
@@ -318,6 +363,14 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
     of addresses (1 with none or one), ``process_id`` is 0 in a one-process job.
     The daemon (:func:`xreduce.resolve_address`) must answer ``ListDevices``.
 
+    With several processes, every process's ``initialize`` meets the others
+    in the daemon (``JoinGroup``, bounded by the daemon's
+    ``--collective-timeout``): each gets its local devices (``XREDUCE_LOCAL_DEVICES``,
+    else a contiguous block of the daemon's devices, process 0's first), and from
+    then on :func:`list_devices` is the global list and every collective of
+    ``xreduce.distribute`` reduces across all the processes of the group
+    (``XREDUCE_GROUP``, default ``default``).
+
     Args:
         job_addresses: every process's ``host:port``, comma-separated or a list;
             or just the coordinator's (process 0's).
@@ -336,9 +389,9 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
     Example:
         >>> import xreduce
         >>> with xreduce.serve_embedded(virtual_devices=2):
-        ...     info = initialize("10.0.0.1:1234,10.0.0.2:2345", num_processes=2, process_id=0)
+        ...     info = initialize("10.0.0.1:1234", num_processes=1, process_id=0)
         >>> process_id(), num_processes(), info.coordinator_address
-        (0, 2, '10.0.0.1:1234')
+        (0, 1, '10.0.0.1:1234')
         >>> initialize(num_processes=2, process_id=5)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -349,7 +402,9 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
         ...
         ValueError: process_id must be in [0, num_processes); got process_id=5, num_processes=2
     """
-    return _global_state.initialize(job_addresses, num_processes, process_id)
+    info = _global_state.initialize(job_addresses, num_processes, process_id)
+    set_process_group(_global_state.group)
+    return info
 
 
 def shutdown() -> None:
@@ -361,6 +416,7 @@ def shutdown() -> None:
         False
     """
     _global_state.shutdown()
+    set_process_group(None)
 
 
 def is_initialized() -> bool:

@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 
 from xreduce import _codec as codec
 from xreduce._arrays import to_host
-from xreduce._client import Client
+from xreduce._client import Client, process_group
 from xreduce._devices import canonical
 from xreduce._values import DistributedValues, Mirrored, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
@@ -236,6 +236,9 @@ class CrossDeviceOps:
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copies ``tensor`` to every destination device.
 
+        In a multi-process job every process calls it; process 0's tensor is
+        sent to every process's destinations (the others may pass ``None``).
+
         Returns:
             A :class:`Mirrored`, or a plain array for one destination device.
 
@@ -246,16 +249,26 @@ class CrossDeviceOps:
             '/job:localhost/replica:0/task:0/device:CPU:2'
         """
         validate_destinations(destinations)
-        host = to_host(tensor)
-        names = self._client.device_names()
+        group = process_group()
+        names = self._local_names()
         dests = self._destination_names(destinations, names)
-        request = pb.BroadcastRequest(
-            tensor=codec.encode(host.array),
-            source_device=canonical(host.device) if host.device else names[0],
-            destinations=dests,
-        )
+        request = pb.BroadcastRequest(destinations=dests)
+        restore = _writable_numpy
+        if group is None or group.process_id == 0 or tensor is not None:
+            host = to_host(tensor)
+            restore = host.restore
+            if group is None or group.process_id == 0:
+                request.tensor.CopyFrom(codec.encode(host.array))
+                request.source_device = canonical(host.device) if host.device else names[0]
+        if group is not None:
+            request.collective.CopyFrom(group.next_spec())
         reply = self._client.call("Broadcast", request)
-        return _regroup(reply.result, host.restore)
+        return _regroup(reply.result, restore)
+
+    def _local_names(self) -> Sequence[str]:
+        """This process's devices: all the daemon's, or its share in a multi-process job."""
+        group = process_group()
+        return group.local_devices if group is not None else self._client.device_names()
 
     def _destination_names(self, destinations: Any, names: Sequence[str]) -> list[str]:
         if isinstance(destinations, DistributedValues):
@@ -266,21 +279,27 @@ class CrossDeviceOps:
 
     def _batch(self, op: ReduceOp, pairs, options, single: bool) -> list[Any]:
         options = options or CommunicationOptions()
-        if not pairs:
+        group = process_group()
+        if not pairs and group is None:
             return []
-        names = self._client.device_names()
+        names = self._local_names()
         wire = []
         for value, dest in pairs:
             devices = value._resolve_devices(names)
             wire.append((value, devices, self._destination_names(dest, names)))
         accumulate = self._accumulate()
         if accumulate is not None:
+            if group is not None:
+                raise ValueError("accumulation_fn runs in one process; it cannot reduce across the processes "
+                                 f"of group {group.group!r}")
             return [self._accumulated(op, accumulate, v, d) for v, _, d in wire]
-        # TF's shortcut: one replica whose destinations are its own device.
-        first = set(wire[0][1])
-        if len(first) == 1 and all(set(devs) == set(dests) == first for _, devs, dests in wire):
+        # TF's shortcut: one replica whose destinations are its own device (never across processes).
+        first = set(wire[0][1]) if wire else set()
+        if group is None and len(first) == 1 and all(set(devs) == set(dests) == first for _, devs, dests in wire):
             return [_regroup_local(v) for v, _, _ in wire]
         fields = dict(self._algorithm(), reduce_op=pb.ReduceOp.Value(f"REDUCE_OP_{op.value}"))
+        if group is not None:
+            fields["collective"] = group.next_spec()
         timeout = None
         if options.timeout_seconds is not None:
             fields["timeout"] = duration_pb2.Duration()
@@ -331,6 +350,10 @@ def _regroup(result: pb.DistributedValue, restore: Callable) -> Any:
     if len(arrays) == 1:
         return arrays[0]
     return Mirrored(arrays, devices=[c.device for c in result.components])
+
+
+def _writable_numpy(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
 
 
 def _regroup_local(value: DistributedValues) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from xreduce._client import process_group
 from xreduce._devices import canonical
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
 from xreduce._values import DistributedValues, PerReplica
@@ -98,7 +99,7 @@ class MirroredExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """The strategy's devices, canonical names."""
+        """This process's devices of the strategy, canonical names."""
         return self._strategy._devices()
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
@@ -128,9 +129,15 @@ class MirroredStrategy:
     """Synchronous data parallelism over the daemon's devices (TF's ``MirroredStrategy``).
 
     Args:
-        devices: device names (any DeviceSpec form); default every daemon device.
+        devices: device names (any DeviceSpec form); default every daemon
+            device, or in a multi-process job (``xreduce.distribution.initialize``)
+            this process's devices.
         cross_device_ops: default ``HierarchicalCopyAllReduce()``.
         address: the daemon, when ``cross_device_ops`` is not given.
+
+    In a multi-process job each process runs its own replicas; every
+    reduction spans all processes, ``num_replicas_in_sync`` counts them all and
+    replica ids are global.
 
     Raises:
         ValueError: ``devices`` is empty or names a device twice.
@@ -160,13 +167,24 @@ class MirroredStrategy:
 
     def _devices(self) -> tuple[str, ...]:
         if self._device_names is None:
-            self._device_names = tuple(self.cross_device_ops.client.device_names())
+            group = process_group()
+            names = group.local_devices if group else self.cross_device_ops.client.device_names()
+            self._device_names = tuple(names)
         return self._device_names
+
+    def _first_replica_id(self) -> int:
+        """The global id of this process's first replica."""
+        group = process_group()
+        if group is None:
+            return 0
+        first = self._devices()[0]
+        return group.global_devices.index(first) if first in group.global_devices else 0
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """One replica per device."""
-        return len(self._devices())
+        """One replica per device, over every process of a multi-process job."""
+        group = process_group()
+        return len(group.global_devices) if group else len(self._devices())
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[MirroredStrategy]:
@@ -184,12 +202,13 @@ class MirroredStrategy:
         ``PerReplica`` values (nested lists, tuples and dicts are followed).
         """
         devices = self._devices()
+        first, total = self._first_replica_id(), self.num_replicas_in_sync
         outputs = []
         for i in range(len(devices)):
             replica_args = _select(i, tuple(args))
             replica_kwargs = _select(i, dict(kwargs or {}))
             stack = _stack("replicas")
-            stack.append(ReplicaContext(self, i, len(devices)))
+            stack.append(ReplicaContext(self, first + i, total))
             try:
                 outputs.append(fn(*replica_args, **replica_kwargs))
             finally:
@@ -214,13 +233,16 @@ class MirroredStrategy:
         if op is ReduceOp.SUM:
             return total
         axes = (axis,) if isinstance(axis, int) else tuple(axis)
-        count = sum(int(np.prod([a.shape[x] for x in axes])) for a in arrays)
+        counts = [np.int64(np.prod([a.shape[x] for x in axes])) for a in arrays]
+        count = int(self.extended.reduce_to(ReduceOp.SUM, PerReplica(counts, devices=value.devices), first))
         return _mean(np.asarray(total), count)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> PerReplica:
-        """Builds a ``PerReplica`` from ``value_fn(ValueContext(i, n))`` for each replica."""
+        """Builds a ``PerReplica`` from ``value_fn(ValueContext(i, n))`` for each of this
+        process's replicas (``i`` is the global replica id)."""
         devices = self._devices()
-        values = [value_fn(ValueContext(i, len(devices))) for i in range(len(devices))]
+        first, total = self._first_replica_id(), self.num_replicas_in_sync
+        values = [value_fn(ValueContext(first + i, total)) for i in range(len(devices))]
         return PerReplica(values, devices=devices)
 
 

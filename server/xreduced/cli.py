@@ -38,11 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Handlers go in before the daemon says it serves: a signal sent then must stop it gracefully.
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    log = logging.getLogger("xreduced")
     try:
         daemon = Daemon(config).start()
     except RuntimeError as e:
-        logging.getLogger("xreduced").error("event=start_failed error=%r", str(e))
+        log.error("event=start_failed error=%r", str(e))
         return 1
+    if not log.isEnabledFor(logging.INFO):
+        # Logged at any level: it is how a caller learns the bound address.
+        log.log(logging.getLevelName(config.log_level), "%s", daemon.serving_line())
     while not stop.wait(0.5):
         pass
     daemon.stop()

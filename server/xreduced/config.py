@@ -32,7 +32,9 @@ class Config:
     max_message_bytes: int = 1 << 30
     log_level: str = "INFO"
     grace_seconds: float = 10.0
-    workers: int = 16
+    workers: int = 64
+    collective_timeout: float = 300.0
+    """Seconds a process waits for the others of its collective, unless its request says less."""
 
 
 _FLAGS = {
@@ -43,7 +45,8 @@ _FLAGS = {
     "max_message_bytes": (int, "largest gRPC message sent or received; default 1073741824 (1 GiB)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR; default INFO"),
     "grace_seconds": (float, "on SIGTERM/SIGINT, how long in-flight calls may finish; default 10"),
-    "workers": (int, "threads serving calls; default 16"),
+    "workers": (int, "threads serving calls (each waiting collective holds one); default 64"),
+    "collective_timeout": (float, "seconds a multi-process collective waits for every process; default 300"),
 }
 
 
@@ -119,6 +122,8 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be in [1, {_MAX_GRPC_MESSAGE}] (gRPC's limit); got {value}")
     elif field == "grace_seconds" and not 0 <= value <= 3600:  # also refuses nan and inf
         raise ValueError(f"{source} must be a number of seconds in [0, 3600]; got {value}")
+    elif field == "collective_timeout" and not 0 < value <= 86400:
+        raise ValueError(f"{source} must be a number of seconds in (0, 86400]; got {value}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field == "listen" and not value:

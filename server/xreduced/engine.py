@@ -140,16 +140,7 @@ class Engine:
         are reordered to the first value's device order and the whole batch is
         packed into ``num_packs`` packs; otherwise each pair is reduced alone.
         """
-        if op not in (SUM, MEAN):
-            raise InvalidArgument(f"reduce_op must be SUM or MEAN; got {op!r}")
-        if not 0 <= num_packs <= MAX_NUM_PACKS:
-            raise InvalidArgument(f"num_packs must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
-        fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(pairs))]
-        resolved = []
-        for (value, dests), field in zip(pairs, fields):
-            check_value(value, self.label)
-            check_destinations(dests, field, self.label)
-            resolved.append((value, tuple(dests) or value.devices))
+        resolved = self.validate(op, pairs, num_packs, dest_fields)
         if not resolved:
             return []
         deadline = deadline or Deadline(None)
@@ -165,6 +156,29 @@ class Engine:
             else self._to_one(v, d, mean, None, deadline)
             for v, d in resolved
         ]
+
+    def validate(
+        self, op: str, pairs: Sequence[tuple[Value, Sequence[int]]], num_packs: int,
+        dest_fields: Sequence[str] | None = None,
+    ) -> list[tuple[Value, tuple[int, ...]]]:
+        """Checks a batch and returns it with empty destinations replaced by the
+        value's devices.
+
+        Raises:
+            InvalidArgument: a bad op or ``num_packs``, an empty value, a device
+                given twice, replicas that disagree.
+        """
+        if op not in (SUM, MEAN):
+            raise InvalidArgument(f"reduce_op must be SUM or MEAN; got {op!r}")
+        if not 0 <= num_packs <= MAX_NUM_PACKS:
+            raise InvalidArgument(f"num_packs must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
+        fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(pairs))]
+        resolved = []
+        for (value, dests), field in zip(pairs, fields):
+            check_value(value, self.label)
+            check_destinations(dests, field, self.label)
+            resolved.append((value, tuple(dests) or value.devices))
+        return resolved
 
     def broadcast(
         self, array: np.ndarray, source: int, destinations: Sequence[int],

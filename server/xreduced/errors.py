@@ -27,3 +27,9 @@ class DeadlineExceeded(ServiceError):
     """The operation's timeout passed."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Aborted(ServiceError):
+    """A collective was abandoned: a participant left before it completed."""
+
+    code = grpc.StatusCode.ABORTED

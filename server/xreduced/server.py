@@ -72,7 +72,7 @@ class Daemon:
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
             options=options,
         )
-        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name)
+        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout)
         pb_grpc.add_CrossDeviceOpsServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -100,12 +100,14 @@ class Daemon:
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        devices = self.service.devices
-        # Always logged, whatever the level: it is how a caller learns the bound address.
-        log.log(max(logging.INFO, log.getEffectiveLevel()),
-                "event=serving address=%s backend=%s devices=%d names=%s", self.address,
-                self.backend.name, len(devices), devices.listing().replace(" ", ""))
+        log.info("%s", self.serving_line())
         return self
+
+    def serving_line(self) -> str:
+        """The ``event=serving`` log line: the bound address, the backend and the devices."""
+        devices = self.service.devices
+        return (f"event=serving address={self.address} backend={self.backend.name} devices={len(devices)} "
+                f"names={devices.listing().replace(' ', '')}")
 
     def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, then refuse new calls and give in-flight ones ``grace`` seconds."""

@@ -6,6 +6,8 @@ values received; nothing escapes as a stray exception.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 
@@ -16,10 +18,12 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 
 from xreduced import planner
+from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, label, reduce_together
 from xreduced.devices import DeviceTable
-from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value
-from xreduced.errors import InvalidArgument, ServiceError
+from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations
+from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
+from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
 
@@ -65,13 +69,30 @@ def _enum_label(enum_type, value: int) -> str:
         return str(value)
 
 
-class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
-    """Serves ``xreduce.v1.CrossDeviceOps`` on an engine's devices."""
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """A validated CollectiveSpec."""
 
-    def __init__(self, engine: Engine, backend_name: str):
+    key: tuple[str, str]
+    label: str
+    num_processes: int
+    process_id: int
+
+
+class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
+    """Serves ``xreduce.v1.CrossDeviceOps`` on an engine's devices.
+
+    Requests with a ``collective`` of several processes meet in the rendezvous;
+    the last to arrive runs the reduction for all of them.
+    """
+
+    def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = 300.0,
+                 rendezvous: Rendezvous | None = None):
         self.engine = engine
         self.backend_name = backend_name
         self.devices = DeviceTable(engine.backend.devices())
+        self.collective_timeout = collective_timeout
+        self.rendezvous = rendezvous or Rendezvous()
 
     @_status
     def ListDevices(self, request, context):
@@ -89,22 +110,17 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     @_status
     def Reduce(self, request, context):
         encoding = _encoding([request.value])
-        value = self._value(request.value, "value")
-        dests = self._devices(request.destinations, "destinations")
-        result = self.engine.reduce(
-            self._op(request.reduce_op), value, dests, **self._options(request, context)
-        )
+        (result,) = self._reduce("Reduce", request, context, [(request.value, request.destinations)],
+                                 ["value"], ["destinations"])
         return pb.ReduceResponse(result=self._encode(result, encoding), route=_ROUTES[result.route])
 
     @_status
     def BatchReduce(self, request, context):
         encoding = _encoding([p.value for p in request.pairs])
-        pairs = [
-            (self._value(p.value, f"pairs[{i}].value"), self._devices(p.destinations, f"pairs[{i}].destinations"))
-            for i, p in enumerate(request.pairs)
-        ]
-        results = self.engine.batch_reduce(
-            self._op(request.reduce_op), pairs, **self._options(request, context)
+        n = len(request.pairs)
+        results = self._reduce(
+            "BatchReduce", request, context, [(p.value, p.destinations) for p in request.pairs],
+            [f"pairs[{i}].value" for i in range(n)], [f"pairs[{i}].destinations" for i in range(n)],
         )
         return pb.BatchReduceResponse(
             results=[
@@ -114,15 +130,113 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
 
     @_status
     def Broadcast(self, request, context):
-        if not request.HasField("tensor"):
-            raise InvalidArgument("tensor: broadcast needs a tensor; got none")
-        array = codec.decode(request.tensor, "tensor")
-        source = (
-            self.devices.resolve(request.source_device, "source_device") if request.source_device else 0
+        group = self._group(request)
+        with self._failing(group):
+            deadline = self._deadline(request, context, group)
+            is_source = group is None or group.process_id == request.source_process
+            if is_source and not request.HasField("tensor"):
+                raise InvalidArgument("tensor: broadcast needs a tensor; got none")
+            array = codec.decode(request.tensor, "tensor") if request.HasField("tensor") else None
+            source = self.devices.resolve(request.source_device, "source_device") if request.source_device else None
+            dests = self._devices(request.destinations, "destinations")
+            if group is not None:
+                if not 0 <= request.source_process < group.num_processes:
+                    raise InvalidArgument(
+                        f"source_process: must be in [0, {group.num_processes}); got {request.source_process}"
+                    )
+                if not dests:
+                    raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
+                check_destinations(dests, "destinations", self.engine.label)
+        if group is None:
+            result = self.engine.broadcast(array, source or 0, dests, deadline)
+        else:
+            share = BroadcastShare(request.source_process, array, source, dests)
+            result = self._meet(group, share, deadline, context,
+                                lambda shares: broadcast_together(self.engine, shares, group.label, deadline))
+        encoding = codec.encoding_of(request.tensor) if request.HasField("tensor") else codec.RAW
+        return pb.BroadcastResponse(result=self._encode(result, encoding))
+
+    @_status
+    def JoinGroup(self, request, context):
+        spec = pb.CollectiveSpec(group=request.group, num_processes=request.num_processes,
+                                 process_id=request.process_id, name="join")
+        group = self._check_group(spec)
+        deadline = self._deadline(request, context, group)
+        devices = self._devices(request.devices, "devices")
+        check_destinations(devices, "devices", self.engine.label)
+        label = f'the join of group "{request.group}"'
+        if group.num_processes == 1:
+            assigned = {0: devices or tuple(range(len(self.devices)))}
+        else:
+            assigned = self._meet(
+                group, devices, deadline, context,
+                lambda shares: {pid: assign_devices(shares, len(self.devices), self.engine.label, label)
+                                for pid in shares},
+                remember_failure=False,
+            )
+        names = {pid: [self.devices.name(d).canonical for d in devs] for pid, devs in assigned.items()}
+        return pb.JoinGroupResponse(
+            local_devices=names[group.process_id],
+            global_devices=[n for pid in sorted(names) for n in names[pid]],
+            processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
         )
-        dests = self._devices(request.destinations, "destinations")
-        result = self.engine.broadcast(array, source, dests, self._deadline(request, context))
-        return pb.BroadcastResponse(result=self._encode(result, codec.encoding_of(request.tensor)))
+
+    def _reduce(self, kind, request, context, raw_pairs, value_fields, dest_fields) -> list[Result]:
+        group = self._group(request)
+        with self._failing(group):
+            op = self._op(request.reduce_op)
+            options = self._options(request, context, group)
+            pairs = [
+                (self._value(v, vf), self._devices(d, df))
+                for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
+            ]
+            resolved = self.engine.validate(op, pairs, options["num_packs"], dest_fields)
+        if group is None:
+            return self.engine.batch_reduce(op, pairs, dest_fields=dest_fields, **options)
+        share = Contribution(kind, op, options["num_packs"], options["algorithm"], options["reduce_to"],
+                             tuple(resolved))
+        deadline = options["deadline"]
+        return self._meet(group, share, deadline, context,
+                          lambda shares: reduce_together(self.engine, shares, group.label, deadline))
+
+    def _meet(self, group: _Group, share, deadline: Deadline, context, compute, remember_failure=True):
+        return self.rendezvous.run(
+            group.key, group.label, group.num_processes, group.process_id, share,
+            max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
+        )
+
+    @contextlib.contextmanager
+    def _failing(self, group: _Group | None):
+        """A collective whose member sent a bad request fails for every member."""
+        try:
+            yield
+        except (ServiceError, codec.CodecError) as e:
+            if group is not None:
+                self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(
+                    f"{group.label} was aborted: process {group.process_id}'s request was rejected: {e}"))
+            raise
+
+    def _group(self, request) -> _Group | None:
+        """The request's collective, or None when one process does it alone."""
+        if not request.HasField("collective"):
+            return None
+        group = self._check_group(request.collective)
+        return group if group.num_processes > 1 else None
+
+    def _check_group(self, spec: pb.CollectiveSpec) -> _Group:
+        if not spec.group:
+            raise InvalidArgument("collective.group: a group name is required; got ''")
+        if spec.num_processes < 1:
+            raise InvalidArgument(f"collective.num_processes: must be >= 1; got {spec.num_processes}")
+        if not 0 <= spec.process_id < spec.num_processes:
+            raise InvalidArgument(
+                f"collective.process_id: must be in [0, num_processes); got process_id={spec.process_id}, "
+                f"num_processes={spec.num_processes}"
+            )
+        if spec.sequence < 0:
+            raise InvalidArgument(f"collective.sequence: must be >= 0; got {spec.sequence}")
+        key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
+        return _Group(key, label(spec.group, spec.sequence, spec.name), spec.num_processes, spec.process_id)
 
     def _op(self, op: int) -> str:
         if op not in _OPS:
@@ -131,7 +245,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             )
         return _OPS[op]
 
-    def _options(self, request, context) -> dict:
+    def _options(self, request, context, group: _Group | None) -> dict:
         if request.algorithm not in _ALGORITHMS:
             raise InvalidArgument(
                 f"algorithm: must be ALGORITHM_HIERARCHICAL_COPY or ALGORITHM_REDUCTION_TO_ONE_DEVICE; "
@@ -153,13 +267,15 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             "num_packs": num_packs,
             "algorithm": algorithm,
             "reduce_to": reduce_to,
-            "deadline": self._deadline(request, context),
+            "deadline": self._deadline(request, context, group),
         }
 
-    def _deadline(self, request, context) -> Deadline:
+    def _deadline(self, request, context, group: _Group | None) -> Deadline:
         limits = []
         if request.HasField("timeout"):
             limits.append(_timeout_seconds(request.timeout))
+        elif group is not None:
+            limits.append(self.collective_timeout)
         remaining = context.time_remaining()
         if remaining is not None:
             limits.append(remaining)

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18xreduce/v1/xreduce.proto\x12\nxreduce.v1\x1a\x1egoogle/protobuf/duration.proto\"\x8d\x01\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\x12\x14\n\x0c\x66loat_values\x18\x04 \x03(\x01\x12\x12\n\nint_values\x18\x05 \x03(\x03\x12\x13\n\x0buint_values\x18\x06 \x03(\x04\"?\n\tComponent\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.xreduce.v1.Tensor\"=\n\x10\x44istributedValue\x12)\n\ncomponents\x18\x01 \x03(\x0b\x32\x15.xreduce.v1.Component\"}\n\x06\x44\x65vice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nshort_name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fphysical_device\x18\x06 \x01(\t\"\x1d\n\x07PeerRow\x12\x12\n\ncan_access\x18\x01 \x03(\x08\"\x14\n\x12ListDevicesRequest\"u\n\x13ListDevicesResponse\x12#\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x12.xreduce.v1.Device\x12(\n\x0bpeer_access\x18\x02 \x03(\x0b\x32\x13.xreduce.v1.PeerRow\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x91\x02\n\rReduceRequest\x12\'\n\treduce_op\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.ReduceOp\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12\x14\n\x0c\x64\x65stinations\x18\x03 \x03(\t\x12\x16\n\tnum_packs\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12(\n\talgorithm\x18\x05 \x01(\x0e\x32\x15.xreduce.v1.Algorithm\x12\x18\n\x10reduce_to_device\x18\x06 \x01(\t\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationB\x0c\n\n_num_packs\"`\n\x0eReduceResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12 \n\x05route\x18\x02 \x01(\x0e\x32\x11.xreduce.v1.Route\"O\n\nReducePair\x12+\n\x05value\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12\x14\n\x0c\x64\x65stinations\x18\x02 \x03(\t\"\xfa\x01\n\x12\x42\x61tchReduceRequest\x12\'\n\treduce_op\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.ReduceOp\x12%\n\x05pairs\x18\x02 \x03(\x0b\x32\x16.xreduce.v1.ReducePair\x12\x16\n\tnum_packs\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12(\n\talgorithm\x18\x04 \x01(\x0e\x32\x15.xreduce.v1.Algorithm\x12\x18\n\x10reduce_to_device\x18\x05 \x01(\t\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationB\x0c\n\n_num_packs\"^\n\x0cReduceResult\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12 \n\x05route\x18\x02 \x01(\x0e\x32\x11.xreduce.v1.Route\"@\n\x13\x42\x61tchReduceResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.xreduce.v1.ReduceResult\"\x8f\x01\n\x10\x42roadcastRequest\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.xreduce.v1.Tensor\x12\x15\n\rsource_device\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65stinations\x18\x03 \x03(\t\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"A\n\x11\x42roadcastResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue*\xdf\x02\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x01\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x02\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x04\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\t\x12\x14\n\x10\x44\x41TA_TYPE_UINT16\x10\n\x12\x14\n\x10\x44\x41TA_TYPE_UINT32\x10\x0b\x12\x14\n\x10\x44\x41TA_TYPE_UINT64\x10\x0c\x12\x17\n\x13\x44\x41TA_TYPE_COMPLEX64\x10\r\x12\x18\n\x14\x44\x41TA_TYPE_COMPLEX128\x10\x0e*L\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02*n\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41LGORITHM_HIERARCHICAL_COPY\x10\x01\x12%\n!ALGORITHM_REDUCTION_TO_ONE_DEVICE\x10\x02*r\n\x05Route\x12\x15\n\x11ROUTE_UNSPECIFIED\x10\x00\x12\x12\n\x0eROUTE_IDENTITY\x10\x01\x12\x1b\n\x17ROUTE_HIERARCHICAL_COPY\x10\x02\x12!\n\x1dROUTE_REDUCTION_TO_ONE_DEVICE\x10\x03\x32\xbb\x02\n\x0e\x43rossDeviceOps\x12N\n\x0bListDevices\x12\x1e.xreduce.v1.ListDevicesRequest\x1a\x1f.xreduce.v1.ListDevicesResponse\x12?\n\x06Reduce\x12\x19.xreduce.v1.ReduceRequest\x1a\x1a.xreduce.v1.ReduceResponse\x12N\n\x0b\x42\x61tchReduce\x12\x1e.xreduce.v1.BatchReduceRequest\x1a\x1f.xreduce.v1.BatchReduceResponse\x12H\n\tBroadcast\x12\x1c.xreduce.v1.BroadcastRequest\x1a\x1d.xreduce.v1.BroadcastResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18xreduce/v1/xreduce.proto\x12\nxreduce.v1\x1a\x1egoogle/protobuf/duration.proto\"\x8d\x01\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\x12\x14\n\x0c\x66loat_values\x18\x04 \x03(\x01\x12\x12\n\nint_values\x18\x05 \x03(\x03\x12\x13\n\x0buint_values\x18\x06 \x03(\x04\"?\n\tComponent\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.xreduce.v1.Tensor\"=\n\x10\x44istributedValue\x12)\n\ncomponents\x18\x01 \x03(\x0b\x32\x15.xreduce.v1.Component\"}\n\x06\x44\x65vice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nshort_name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fphysical_device\x18\x06 \x01(\t\"\x1d\n\x07PeerRow\x12\x12\n\ncan_access\x18\x01 \x03(\x08\"j\n\x0e\x43ollectiveSpec\x12\r\n\x05group\x18\x01 \x01(\t\x12\x15\n\rnum_processes\x18\x02 \x01(\x05\x12\x12\n\nprocess_id\x18\x03 \x01(\x05\x12\x10\n\x08sequence\x18\x04 \x01(\x03\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x14\n\x12ListDevicesRequest\"u\n\x13ListDevicesResponse\x12#\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x12.xreduce.v1.Device\x12(\n\x0bpeer_access\x18\x02 \x03(\x0b\x32\x13.xreduce.v1.PeerRow\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\xc1\x02\n\rReduceRequest\x12\'\n\treduce_op\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.ReduceOp\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12\x14\n\x0c\x64\x65stinations\x18\x03 \x03(\t\x12\x16\n\tnum_packs\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12(\n\talgorithm\x18\x05 \x01(\x0e\x32\x15.xreduce.v1.Algorithm\x12\x18\n\x10reduce_to_device\x18\x06 \x01(\t\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\ncollective\x18\x08 \x01(\x0b\x32\x1a.xreduce.v1.CollectiveSpecB\x0c\n\n_num_packs\"`\n\x0eReduceResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12 \n\x05route\x18\x02 \x01(\x0e\x32\x11.xreduce.v1.Route\"O\n\nReducePair\x12+\n\x05value\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12\x14\n\x0c\x64\x65stinations\x18\x02 \x03(\t\"\xaa\x02\n\x12\x42\x61tchReduceRequest\x12\'\n\treduce_op\x18\x01 \x01(\x0e\x32\x14.xreduce.v1.ReduceOp\x12%\n\x05pairs\x18\x02 \x03(\x0b\x32\x16.xreduce.v1.ReducePair\x12\x16\n\tnum_packs\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12(\n\talgorithm\x18\x04 \x01(\x0e\x32\x15.xreduce.v1.Algorithm\x12\x18\n\x10reduce_to_device\x18\x05 \x01(\t\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\ncollective\x18\x07 \x01(\x0b\x32\x1a.xreduce.v1.CollectiveSpecB\x0c\n\n_num_packs\"^\n\x0cReduceResult\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\x12 \n\x05route\x18\x02 \x01(\x0e\x32\x11.xreduce.v1.Route\"@\n\x13\x42\x61tchReduceResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.xreduce.v1.ReduceResult\"\xd7\x01\n\x10\x42roadcastRequest\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.xreduce.v1.Tensor\x12\x15\n\rsource_device\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65stinations\x18\x03 \x03(\t\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\ncollective\x18\x05 \x01(\x0b\x32\x1a.xreduce.v1.CollectiveSpec\x12\x16\n\x0esource_process\x18\x06 \x01(\x05\"A\n\x11\x42roadcastResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.xreduce.v1.DistributedValue\"\x89\x01\n\x10JoinGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x15\n\rnum_processes\x18\x02 \x01(\x05\x12\x12\n\nprocess_id\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x0eProcessDevices\x12\x12\n\nprocess_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\"q\n\x11JoinGroupResponse\x12\x15\n\rlocal_devices\x18\x01 \x03(\t\x12\x16\n\x0eglobal_devices\x18\x02 \x03(\t\x12-\n\tprocesses\x18\x03 \x03(\x0b\x32\x1a.xreduce.v1.ProcessDevices*\xdf\x02\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x01\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x02\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x04\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\t\x12\x14\n\x10\x44\x41TA_TYPE_UINT16\x10\n\x12\x14\n\x10\x44\x41TA_TYPE_UINT32\x10\x0b\x12\x14\n\x10\x44\x41TA_TYPE_UINT64\x10\x0c\x12\x17\n\x13\x44\x41TA_TYPE_COMPLEX64\x10\r\x12\x18\n\x14\x44\x41TA_TYPE_COMPLEX128\x10\x0e*L\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02*n\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41LGORITHM_HIERARCHICAL_COPY\x10\x01\x12%\n!ALGORITHM_REDUCTION_TO_ONE_DEVICE\x10\x02*r\n\x05Route\x12\x15\n\x11ROUTE_UNSPECIFIED\x10\x00\x12\x12\n\x0eROUTE_IDENTITY\x10\x01\x12\x1b\n\x17ROUTE_HIERARCHICAL_COPY\x10\x02\x12!\n\x1dROUTE_REDUCTION_TO_ONE_DEVICE\x10\x03\x32\x85\x03\n\x0e\x43rossDeviceOps\x12N\n\x0bListDevices\x12\x1e.xreduce.v1.ListDevicesRequest\x1a\x1f.xreduce.v1.ListDevicesResponse\x12?\n\x06Reduce\x12\x19.xreduce.v1.ReduceRequest\x1a\x1a.xreduce.v1.ReduceResponse\x12N\n\x0b\x42\x61tchReduce\x12\x1e.xreduce.v1.BatchReduceRequest\x1a\x1f.xreduce.v1.BatchReduceResponse\x12H\n\tBroadcast\x12\x1c.xreduce.v1.BroadcastRequest\x1a\x1d.xreduce.v1.BroadcastResponse\x12H\n\tJoinGroup\x12\x1c.xreduce.v1.JoinGroupRequest\x1a\x1d.xreduce.v1.JoinGroupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xreduce.v1.xreduce_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=1727
-  _globals['_DATATYPE']._serialized_end=2078
-  _globals['_REDUCEOP']._serialized_start=2080
-  _globals['_REDUCEOP']._serialized_end=2156
-  _globals['_ALGORITHM']._serialized_start=2158
-  _globals['_ALGORITHM']._serialized_end=2268
-  _globals['_ROUTE']._serialized_start=2270
-  _globals['_ROUTE']._serialized_end=2384
+  _globals['_DATATYPE']._serialized_start=2313
+  _globals['_DATATYPE']._serialized_end=2664
+  _globals['_REDUCEOP']._serialized_start=2666
+  _globals['_REDUCEOP']._serialized_end=2742
+  _globals['_ALGORITHM']._serialized_start=2744
+  _globals['_ALGORITHM']._serialized_end=2854
+  _globals['_ROUTE']._serialized_start=2856
+  _globals['_ROUTE']._serialized_end=2970
   _globals['_TENSOR']._serialized_start=73
   _globals['_TENSOR']._serialized_end=214
   _globals['_COMPONENT']._serialized_start=216
@@ -50,26 +50,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEVICE']._serialized_end=469
   _globals['_PEERROW']._serialized_start=471
   _globals['_PEERROW']._serialized_end=500
-  _globals['_LISTDEVICESREQUEST']._serialized_start=502
-  _globals['_LISTDEVICESREQUEST']._serialized_end=522
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=524
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=641
-  _globals['_REDUCEREQUEST']._serialized_start=644
-  _globals['_REDUCEREQUEST']._serialized_end=917
-  _globals['_REDUCERESPONSE']._serialized_start=919
-  _globals['_REDUCERESPONSE']._serialized_end=1015
-  _globals['_REDUCEPAIR']._serialized_start=1017
-  _globals['_REDUCEPAIR']._serialized_end=1096
-  _globals['_BATCHREDUCEREQUEST']._serialized_start=1099
-  _globals['_BATCHREDUCEREQUEST']._serialized_end=1349
-  _globals['_REDUCERESULT']._serialized_start=1351
-  _globals['_REDUCERESULT']._serialized_end=1445
-  _globals['_BATCHREDUCERESPONSE']._serialized_start=1447
-  _globals['_BATCHREDUCERESPONSE']._serialized_end=1511
-  _globals['_BROADCASTREQUEST']._serialized_start=1514
-  _globals['_BROADCASTREQUEST']._serialized_end=1657
-  _globals['_BROADCASTRESPONSE']._serialized_start=1659
-  _globals['_BROADCASTRESPONSE']._serialized_end=1724
-  _globals['_CROSSDEVICEOPS']._serialized_start=2387
-  _globals['_CROSSDEVICEOPS']._serialized_end=2702
+  _globals['_COLLECTIVESPEC']._serialized_start=502
+  _globals['_COLLECTIVESPEC']._serialized_end=608
+  _globals['_LISTDEVICESREQUEST']._serialized_start=610
+  _globals['_LISTDEVICESREQUEST']._serialized_end=630
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=632
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=749
+  _globals['_REDUCEREQUEST']._serialized_start=752
+  _globals['_REDUCEREQUEST']._serialized_end=1073
+  _globals['_REDUCERESPONSE']._serialized_start=1075
+  _globals['_REDUCERESPONSE']._serialized_end=1171
+  _globals['_REDUCEPAIR']._serialized_start=1173
+  _globals['_REDUCEPAIR']._serialized_end=1252
+  _globals['_BATCHREDUCEREQUEST']._serialized_start=1255
+  _globals['_BATCHREDUCEREQUEST']._serialized_end=1553
+  _globals['_REDUCERESULT']._serialized_start=1555
+  _globals['_REDUCERESULT']._serialized_end=1649
+  _globals['_BATCHREDUCERESPONSE']._serialized_start=1651
+  _globals['_BATCHREDUCERESPONSE']._serialized_end=1715
+  _globals['_BROADCASTREQUEST']._serialized_start=1718
+  _globals['_BROADCASTREQUEST']._serialized_end=1933
+  _globals['_BROADCASTRESPONSE']._serialized_start=1935
+  _globals['_BROADCASTRESPONSE']._serialized_end=2000
+  _globals['_JOINGROUPREQUEST']._serialized_start=2003
+  _globals['_JOINGROUPREQUEST']._serialized_end=2140
+  _globals['_PROCESSDEVICES']._serialized_start=2142
+  _globals['_PROCESSDEVICES']._serialized_end=2195
+  _globals['_JOINGROUPRESPONSE']._serialized_start=2197
+  _globals['_JOINGROUPRESPONSE']._serialized_end=2310
+  _globals['_CROSSDEVICEOPS']._serialized_start=2973
+  _globals['_CROSSDEVICEOPS']._serialized_end=3362
 # @@protoc_insertion_point(module_scope)

@@ -124,6 +124,20 @@ class PeerRow(_message.Message):
     can_access: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, can_access: _Optional[_Iterable[bool]] = ...) -> None: ...
 
+class CollectiveSpec(_message.Message):
+    __slots__ = ("group", "num_processes", "process_id", "sequence", "name")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    num_processes: int
+    process_id: int
+    sequence: int
+    name: str
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., sequence: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
 class ListDevicesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -139,7 +153,7 @@ class ListDevicesResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_access: _Optional[_Iterable[_Union[PeerRow, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout")
+    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +161,7 @@ class ReduceRequest(_message.Message):
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     value: DistributedValue
     destinations: _containers.RepeatedScalarFieldContainer[str]
@@ -154,7 +169,8 @@ class ReduceRequest(_message.Message):
     algorithm: Algorithm
     reduce_to_device: str
     timeout: _duration_pb2.Duration
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    collective: CollectiveSpec
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
     __slots__ = ("result", "route")
@@ -173,20 +189,22 @@ class ReducePair(_message.Message):
     def __init__(self, value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout")
+    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     NUM_PACKS_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     pairs: _containers.RepeatedCompositeFieldContainer[ReducePair]
     num_packs: int
     algorithm: Algorithm
     reduce_to_device: str
     timeout: _duration_pb2.Duration
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    collective: CollectiveSpec
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ...) -> None: ...
 
 class ReduceResult(_message.Message):
     __slots__ = ("result", "route")
@@ -203,19 +221,55 @@ class BatchReduceResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ReduceResult, _Mapping]]] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
-    __slots__ = ("tensor", "source_device", "destinations", "timeout")
+    __slots__ = ("tensor", "source_device", "destinations", "timeout", "collective", "source_process")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PROCESS_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
     source_device: str
     destinations: _containers.RepeatedScalarFieldContainer[str]
     timeout: _duration_pb2.Duration
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., source_device: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    collective: CollectiveSpec
+    source_process: int
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., source_device: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., source_process: _Optional[int] = ...) -> None: ...
 
 class BroadcastResponse(_message.Message):
     __slots__ = ("result",)
     RESULT_FIELD_NUMBER: _ClassVar[int]
     result: DistributedValue
     def __init__(self, result: _Optional[_Union[DistributedValue, _Mapping]] = ...) -> None: ...
+
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("group", "num_processes", "process_id", "devices", "timeout")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    num_processes: int
+    process_id: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    timeout: _duration_pb2.Duration
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ProcessDevices(_message.Message):
+    __slots__ = ("process_id", "devices")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinGroupResponse(_message.Message):
+    __slots__ = ("local_devices", "global_devices", "processes")
+    LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    local_devices: _containers.RepeatedScalarFieldContainer[str]
+    global_devices: _containers.RepeatedScalarFieldContainer[str]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessDevices]
+    def __init__(self, local_devices: _Optional[_Iterable[str]] = ..., global_devices: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessDevices, _Mapping]]] = ...) -> None: ...

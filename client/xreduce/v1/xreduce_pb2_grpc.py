@@ -56,6 +56,11 @@ class CrossDeviceOpsStub:
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.BroadcastRequest.SerializeToString,
                 response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.BroadcastResponse.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/JoinGroup',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
+                _registered_method=True)
 
 
 class CrossDeviceOpsServicer:
@@ -93,6 +98,14 @@ class CrossDeviceOpsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinGroup(self, request, context):
+        """JoinGroup waits until every process of a multi-process group has joined,
+        checks they agree, and tells each its local devices and the global list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CrossDeviceOpsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +128,11 @@ def add_CrossDeviceOpsServicer_to_server(servicer, server):
                     servicer.Broadcast,
                     request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.BroadcastRequest.FromString,
                     response_serializer=xreduce_dot_v1_dot_xreduce__pb2.BroadcastResponse.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +245,33 @@ class CrossDeviceOps:
             '/xreduce.v1.CrossDeviceOps/Broadcast',
             xreduce_dot_v1_dot_xreduce__pb2.BroadcastRequest.SerializeToString,
             xreduce_dot_v1_dot_xreduce__pb2.BroadcastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/JoinGroup',
+            xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

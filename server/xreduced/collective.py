@@ -1,0 +1,178 @@
+"""Collectives of several processes: agreement checks, one reduction over the
+union of their devices, and each process's share of the result.
+
+Process ``p``'s contribution is what its request would reduce alone; the
+daemon joins pair ``i`` of every process into one value whose components are
+in global device order, reduces the batch once, and answers each process on
+its own destinations (its value's devices when it named none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from xreduced.engine import Engine, Result, Value
+from xreduced.errors import InvalidArgument
+from xreduced.executor import Deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """One process's share of a Reduce or BatchReduce collective, validated."""
+
+    kind: str
+    op: str
+    num_packs: int
+    algorithm: str
+    reduce_to: int | None
+    pairs: tuple[tuple[Value, tuple[int, ...]], ...]
+    """(value, destinations); empty destinations already replaced by the value's devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastShare:
+    """One process's share of a Broadcast collective."""
+
+    source_process: int
+    array: np.ndarray | None
+    source: int | None
+    destinations: tuple[int, ...]
+
+
+def label(group: str, sequence: int, name: str) -> str:
+    """How messages name a collective.
+
+    Example:
+        >>> label("train", 17, "")
+        'collective 17 in group "train"'
+    """
+    ident = f'"{name}"' if name else str(sequence)
+    return f'collective {ident} in group "{group}"'
+
+
+def _shape(arr: np.ndarray) -> str:
+    return f"{arr.dtype.name}{list(arr.shape)}"
+
+
+def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: str,
+                    deadline: Deadline) -> dict[int, list[Result]]:
+    """Checks the processes agree, reduces once, and splits the results.
+
+    Raises:
+        InvalidArgument: naming the processes and what differs, e.g.
+            ``process 2 sent float32[10] but process 0 sent float32[12] for
+            tensor 3 of collective 17 in group "train"``.
+    """
+    ref_pid = min(shares)
+    ref = shares[ref_pid]
+    for pid in sorted(shares):
+        c = shares[pid]
+        if c.kind != ref.kind:
+            raise InvalidArgument(f"process {pid} called {c.kind} but process {ref_pid} called {ref.kind} for {what}")
+        for field in ("op", "num_packs", "algorithm", "reduce_to"):
+            mine, theirs = getattr(c, field), getattr(ref, field)
+            if mine != theirs:
+                raise InvalidArgument(
+                    f"process {pid} sent {field}={mine!r} but process {ref_pid} sent {field}={theirs!r} for {what}"
+                )
+        if len(c.pairs) != len(ref.pairs):
+            raise InvalidArgument(
+                f"process {pid} sent {len(c.pairs)} values but process {ref_pid} sent {len(ref.pairs)} for {what}"
+            )
+        for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
+            mine, theirs = value.arrays[0], ref_value.arrays[0]
+            if mine.dtype != theirs.dtype or mine.shape != theirs.shape:
+                raise InvalidArgument(
+                    f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
+                    f"for tensor {t} of {what}"
+                )
+    joined = []
+    for t in range(len(ref.pairs)):
+        owner: dict[int, int] = {}
+        arrays: dict[int, np.ndarray] = {}
+        dests: set[int] = set()
+        for pid in sorted(shares):
+            value, pair_dests = shares[pid].pairs[t]
+            for d, arr in zip(value.devices, value.arrays):
+                if d in owner:
+                    raise InvalidArgument(
+                        f"process {pid} and process {owner[d]} both sent a component on "
+                        f"{engine.label(d)} for tensor {t} of {what}; processes must use disjoint devices"
+                    )
+                owner[d] = pid
+                arrays[d] = arr
+            dests.update(pair_dests)
+        devices = tuple(sorted(arrays))
+        joined.append((Value(devices, tuple(arrays[d] for d in devices), f"tensor {t} of {what}"),
+                       tuple(sorted(dests))))
+    results = engine.batch_reduce(
+        ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
+        deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
+    )
+    return {pid: [_share(r, dests) for r, (_, dests) in zip(results, c.pairs)] for pid, c in shares.items()}
+
+
+def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
+                       deadline: Deadline) -> dict[int, Result]:
+    """Broadcasts the source process's tensor to every process's destinations."""
+    ref_pid = min(shares)
+    source_pid = shares[ref_pid].source_process
+    for pid, share in sorted(shares.items()):
+        if share.source_process != source_pid:
+            raise InvalidArgument(
+                f"process {pid} sent source_process={share.source_process} but process {ref_pid} sent "
+                f"source_process={source_pid} for {what}"
+            )
+    if source_pid not in shares:
+        raise InvalidArgument(f"source_process={source_pid} is not a process of {what}")
+    source = shares[source_pid]
+    if source.array is None:
+        raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
+    dests = sorted({d for share in shares.values() for d in share.destinations})
+    origin = source.source if source.source is not None else source.destinations[0]
+    result = engine.broadcast(source.array, origin, dests, deadline)
+    return {pid: _share(result, share.destinations) for pid, share in shares.items()}
+
+
+def _share(result: Result, destinations: tuple[int, ...]) -> Result:
+    where = dict(zip(result.devices, result.arrays))
+    return Result(destinations, tuple(where[d] for d in destinations), result.route)
+
+
+def assign_devices(requested: Mapping[int, tuple[int, ...]], num_devices: int, labels, what: str
+                   ) -> dict[int, tuple[int, ...]]:
+    """Each process's devices: those it asked for, else its block of the daemon's
+    devices split into ``len(requested)`` contiguous blocks, process 0 first.
+
+    Raises:
+        InvalidArgument: more processes than devices to split, or two processes
+            on one device.
+
+    Example:
+        >>> assign_devices({0: (), 1: ()}, 8, str, "the join")
+        {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}
+    """
+    count = len(requested)
+    blocks = [tuple(int(d) for d in b) for b in np.array_split(np.arange(num_devices), count)]
+    assigned = {}
+    for pid in sorted(requested):
+        devices = requested[pid] or blocks[pid]
+        if not devices:
+            raise InvalidArgument(
+                f"num_processes={count} but the daemon has {num_devices} devices to split; process {pid} "
+                f"got none in {what} (name each process's devices)"
+            )
+        assigned[pid] = devices
+    owner: dict[int, int] = {}
+    for pid in sorted(assigned):
+        for d in assigned[pid]:
+            if d in owner:
+                raise InvalidArgument(
+                    f"process {pid} and process {owner[d]} both use {labels(d)} in {what}; processes must use "
+                    "disjoint devices"
+                )
+            owner[d] = pid
+    return assigned
