@@ -1,0 +1,199 @@
+"""The rendezvous and the collective helpers, with threads standing in for processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from xreduced.backends.numpy_backend import NumpyBackend
+from xreduced.collective import Contribution, assign_devices, label, reduce_together
+from xreduced.engine import Engine, Value
+from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument
+from xreduced.executor import Deadline
+from xreduced.rendezvous import Rendezvous
+
+KEY = ("g", "seq:0")
+LABEL = label("g", 0, "")
+
+
+def _members(r: Rendezvous, contributions: dict, num: int, timeout=5.0, compute=None, leave=None, key=KEY):
+    """Runs one thread per contribution; returns {pid: result or exception}."""
+    out: dict = {}
+    compute = compute or (lambda c: {p: sum(c.values()) for p in c})
+
+    def member(pid, value):
+        try:
+            out[pid] = r.run(key, LABEL, num, pid, value, timeout, compute, leave.get(pid) if leave else None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[pid] = e
+
+    threads = [threading.Thread(target=member, args=(p, v)) for p, v in contributions.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_every_member_gets_its_share():
+    r = Rendezvous()
+    out = _members(r, {0: 1, 1: 2, 2: 3}, 3, compute=lambda c: {p: (p, sum(c.values())) for p in c})
+    assert out == {0: (0, 6), 1: (1, 6), 2: (2, 6)}
+    assert r.pending() == 0 and r.remembered_failures() == 0
+
+
+def test_timeout_names_the_missing_processes_and_late_arrivals_get_it_too():
+    r = Rendezvous()
+    out = _members(r, {0: 1, 2: 1}, 4, timeout=0.2)
+    for pid in (0, 2):
+        assert isinstance(out[pid], DeadlineExceeded)
+        assert str(out[pid]) == f"{LABEL} timed out after 0.2s waiting for process(es) [1, 3]; arrived: [0, 2]"
+    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 3\]"):
+        r.run(KEY, LABEL, 4, 1, 1, 5.0, lambda c: c)
+    assert r.pending() == 0 and r.remembered_failures() == 1
+
+
+def test_failures_are_forgotten_after_their_ttl():
+    r = Rendezvous(failed_ttl=0.05)
+    _members(r, {0: 1}, 2, timeout=0.05)
+    time.sleep(0.1)
+    assert r.remembered_failures() == 0
+    assert _members(r, {0: 1, 1: 2}, 2) == {0: 3, 1: 3}
+
+
+def test_a_member_leaving_aborts_the_others():
+    r = Rendezvous()
+    callbacks: list = []
+    out: dict = {}
+
+    def waiter():
+        try:
+            out[0] = r.run(KEY, LABEL, 3, 0, 1, 10.0, lambda c: c, None)
+        except Exception as e:  # noqa: BLE001
+            out[0] = e
+
+    def leaver():
+        try:
+            out[1] = r.run(KEY, LABEL, 3, 1, 1, 10.0, lambda c: c, callbacks.append)
+        except Exception as e:  # noqa: BLE001
+            out[1] = e
+
+    threads = [threading.Thread(target=waiter), threading.Thread(target=leaver)]
+    for t in threads:
+        t.start()
+    while not callbacks:
+        time.sleep(0.005)
+    started = time.monotonic()
+    callbacks[0]()  # what gRPC does when process 1's call ends
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - started < 5
+    for pid in (0, 1):
+        assert isinstance(out[pid], Aborted), out
+        assert str(out[pid]) == (f"{LABEL} was aborted: process 1 left (its call ended or its process died) "
+                                 "before every process arrived")
+    assert r.pending() == 0
+
+
+@pytest.mark.parametrize("case", ["num_processes", "twice", "compute"])
+def test_disagreement_fails_everyone(case):
+    r = Rendezvous()
+    if case == "num_processes":
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault(0, _catch(lambda: r.run(KEY, LABEL, 2, 0, 1, 5.0, dict))))
+        t.start()
+        while r.pending() == 0:
+            time.sleep(0.005)
+        with pytest.raises(InvalidArgument, match=f"process 1 says num_processes=3 but process 0 said "
+                                                  f"num_processes=2 for {LABEL}"):
+            r.run(KEY, LABEL, 3, 1, 1, 5.0, dict)
+        t.join(5)
+        assert isinstance(out[0], InvalidArgument)
+    elif case == "twice":
+        out = _members(r, {0: 1}, 2, timeout=0.01)  # leaves a remembered timeout; use another key
+        key = ("g", "seq:1")
+        t = threading.Thread(target=lambda: out.setdefault(5, _catch(lambda: r.run(key, LABEL, 3, 0, 1, 5.0, dict))))
+        t.start()
+        while r.pending() == 0:
+            time.sleep(0.005)
+        with pytest.raises(InvalidArgument, match="process 0 contributed twice"):
+            r.run(key, LABEL, 3, 0, 1, 5.0, dict)
+        t.join(5)
+        assert isinstance(out[5], InvalidArgument)
+    else:
+        def compute(c):
+            raise InvalidArgument("process 1 sent float32[2] but process 0 sent float32[3]")
+
+        out = _members(r, {0: 1, 1: 2}, 2, compute=compute)
+        assert all(isinstance(e, InvalidArgument) for e in out.values())
+    assert r.pending() == 0
+
+
+def test_fail_before_anyone_arrives_reaches_later_arrivals():
+    r = Rendezvous()
+    r.fail(KEY, LABEL, 2, Aborted("process 1's request was rejected"))
+    with pytest.raises(Aborted, match="rejected"):
+        r.run(KEY, LABEL, 2, 0, 1, 5.0, dict)
+    assert r.pending() == 0
+
+
+def test_remembered_failures_are_bounded():
+    r = Rendezvous(max_failed=10)
+    for i in range(50):
+        r.fail(("g", f"seq:{i}"), LABEL, 2, Aborted("x"))
+    assert r.remembered_failures() == 10 and r.pending() == 0
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _share(devices, arrays, dests=None):
+    value = Value(tuple(devices), tuple(arrays))
+    return Contribution("Reduce", "SUM", 1, "hierarchical_copy", None, ((value, tuple(dests or devices)),))
+
+
+def test_reduce_together_equals_one_reduction_over_the_union():
+    engine = Engine(NumpyBackend(8))
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(5).astype(np.float32) for _ in range(8)]
+    shares = {1: _share([4, 5, 6, 7], data[4:]), 0: _share([0, 1, 2, 3], data[:4])}
+    got = reduce_together(engine, shares, LABEL, Deadline(None))
+    want = engine.reduce("SUM", Value(tuple(range(8)), tuple(data)), ())
+    assert got[0][0].devices == (0, 1, 2, 3) and got[1][0].devices == (4, 5, 6, 7)
+    assert got[1][0].arrays[0].tobytes() == want.arrays[0].tobytes()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("shape", f"process 1 sent float32[3] but process 0 sent float32[2] for tensor 0 of {LABEL}"),
+    ("devices", f"process 1 and process 0 both sent a component on CPU:1 for tensor 0 of {LABEL}"),
+    ("op", f"process 1 sent op='MEAN' but process 0 sent op='SUM' for {LABEL}"),
+])
+def test_reduce_together_names_what_differs(case, message):
+    engine = Engine(NumpyBackend(4))
+    a = np.zeros(2, np.float32)
+    shares = {0: _share([0, 1], [a, a])}
+    if case == "shape":
+        shares[1] = _share([2, 3], [np.zeros(3, np.float32)] * 2)
+    elif case == "devices":
+        shares[1] = _share([1, 2], [a, a])
+    else:
+        base = _share([2, 3], [a, a])
+        shares[1] = Contribution("Reduce", "MEAN", 1, base.algorithm, None, base.pairs)
+    with pytest.raises(InvalidArgument) as info:
+        reduce_together(engine, shares, LABEL, Deadline(None))
+    assert str(info.value).startswith(message)
+
+
+def test_assign_devices_blocks_overrides_and_overlaps():
+    assert assign_devices({0: (), 1: (), 2: ()}, 8, str, "j") == {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7)}
+    assert assign_devices({0: (4, 5), 1: (0, 1)}, 8, str, "j") == {0: (4, 5), 1: (0, 1)}
+    with pytest.raises(InvalidArgument, match="process 1 and process 0 both use 5 in j"):
+        assign_devices({0: (4, 5), 1: (5,)}, 8, str, "j")
+    with pytest.raises(InvalidArgument, match="num_processes=3 but the daemon has 2 devices"):
+        assign_devices({0: (), 1: (), 2: ()}, 2, str, "j")
