@@ -197,3 +197,14 @@ def test_assign_devices_blocks_overrides_and_overlaps():
         assign_devices({0: (4, 5), 1: (5,)}, 8, str, "j")
     with pytest.raises(InvalidArgument, match="num_processes=3 but the daemon has 2 devices"):
         assign_devices({0: (), 1: (), 2: ()}, 2, str, "j")
+
+
+def test_a_crash_in_compute_still_releases_the_waiters():
+    r = Rendezvous()
+
+    def compute(c):
+        raise ZeroDivisionError("a bug")
+
+    out = _members(r, {0: 1, 1: 2}, 2, compute=compute)
+    assert sorted(type(e).__name__ for e in out.values()) == ["Internal", "ZeroDivisionError"]
+    assert r.pending() == 0

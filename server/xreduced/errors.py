@@ -33,3 +33,9 @@ class Aborted(ServiceError):
     """A collective was abandoned: a participant left before it completed."""
 
     code = grpc.StatusCode.ABORTED
+
+
+class Internal(ServiceError):
+    """A daemon bug; its log has the traceback."""
+
+    code = grpc.StatusCode.INTERNAL

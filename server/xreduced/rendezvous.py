@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument, ServiceError
+from xreduced.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, ServiceError
 
 
 @dataclasses.dataclass
@@ -133,6 +133,11 @@ class Rendezvous:
             except ServiceError as e:
                 with self._lock:
                     self._fail(key, c, e, remember_failure)
+                raise
+            except Exception as e:  # a bug: the waiters must not wait for nothing
+                with self._lock:
+                    self._fail(key, c, Internal(f"{label} failed in the daemon ({type(e).__name__}); see its log"),
+                               remember_failure)
                 raise
             c.results = results
             c.arrived.clear()
