@@ -198,3 +198,15 @@ def test_cupy_arrays_carry_their_device():
     host = to_host(cupy.arange(3))
     assert host.device == "GPU:0"
     assert isinstance(host.restore(host.array), cupy.ndarray)
+
+
+def test_an_array_is_a_destination_as_a_tf_tensor_is(daemon):
+    """TF takes a tensor as destinations (its device); a host array's device is the first one."""
+    ops = HierarchicalCopyAllReduce(address=daemon.address)
+    grad = np.array([1.5, 2.5], np.float32)
+    out = ops.batch_reduce("sum", [(grad, grad)])[0]
+    np.testing.assert_array_equal(out, grad)
+    v = PerReplica([np.ones(2), np.ones(2)], devices=["CPU:0", "CPU:1"])
+    np.testing.assert_array_equal(ops.reduce("sum", v, np.zeros(1)), [2.0, 2.0])
+    with pytest.raises(ValueError, match="destinations must be one of"):
+        ops.reduce("sum", v, 0)

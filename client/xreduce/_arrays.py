@@ -80,6 +80,38 @@ def to_host(value: Any) -> HostArray:
     )
 
 
+_TENSOR_MODULES = ("cupy", "torch", "jax", "jaxlib")
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is an array (numpy, CuPy, torch, JAX), as TF accepts a tensor.
+
+    Example:
+        >>> is_tensor(np.zeros(2)), is_tensor(0), is_tensor("GPU:0")
+        (True, False, False)
+    """
+    return isinstance(value, (np.ndarray, np.generic)) or type(value).__module__.split(".")[0] in _TENSOR_MODULES
+
+
+def device_of(value: Any) -> str | None:
+    """The GPU an array lives on (``GPU:i``), or None for host arrays; nothing is copied.
+
+    Example:
+        >>> device_of(np.zeros(2)) is None
+        True
+    """
+    module = type(value).__module__.split(".")[0]
+    if module == "cupy":
+        return f"GPU:{value.device.id}"
+    if module == "torch" and value.device.type == "cuda":
+        return f"GPU:{value.device.index or 0}"
+    if module in ("jax", "jaxlib") and hasattr(value, "devices"):
+        devices = list(value.devices())
+        if len(devices) == 1 and devices[0].platform == "gpu":
+            return f"GPU:{devices[0].id}"
+    return None
+
+
 def _from_cupy(x) -> HostArray:
     import cupy
 

@@ -14,7 +14,7 @@ import numpy as np
 from google.protobuf import duration_pb2
 
 from xreduce import _codec as codec
-from xreduce._arrays import to_host
+from xreduce._arrays import device_of, is_tensor, to_host
 from xreduce._client import Client, process_group
 from xreduce._devices import canonical
 from xreduce._values import DistributedValues, Mirrored, PerReplica
@@ -113,6 +113,9 @@ class CommunicationOptions:
 def validate_destinations(destinations: Any) -> None:
     """TF's destination checks, plus (beyond TF) a list or tuple of device strings.
 
+    An array is accepted, as TF accepts a tensor: its device (a host array's
+    is this process's first device).
+
     Raises:
         ValueError: TF's messages for a wrong type or an empty destination.
 
@@ -122,6 +125,8 @@ def validate_destinations(destinations: Any) -> None:
         ...
         ValueError: destinations can not be empty
     """
+    if is_tensor(destinations):
+        return
     if isinstance(destinations, (list, tuple)):
         if not all(isinstance(d, str) for d in destinations):
             raise ValueError(_DEST_TYPE_ERROR)
@@ -275,6 +280,9 @@ class CrossDeviceOps:
             return list(destinations._resolve_devices(names))
         if isinstance(destinations, str):
             return [canonical(destinations)]
+        if is_tensor(destinations):
+            device = device_of(destinations)
+            return [canonical(device) if device else names[0]]
         return [canonical(d) for d in destinations]
 
     def _batch(self, op: ReduceOp, pairs, options, single: bool) -> list[Any]:

@@ -116,7 +116,11 @@ class MirroredExtended:
         """
         op = ReduceOp.from_value(reduce_op)
         if not isinstance(value, DistributedValues):
-            return reduce_non_distributed_value(op, value, self._strategy.num_replicas_in_sync)
+            local = self.worker_devices
+            if process_group() is None or len(local) != 1:
+                return reduce_non_distributed_value(op, value, self._strategy.num_replicas_in_sync)
+            # One local replica of a multi-process job: the value is that replica's.
+            value = PerReplica([value], devices=local)
         return self._strategy.cross_device_ops.reduce(op, value, destinations, options)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
@@ -223,7 +227,9 @@ class MirroredStrategy:
         """
         op = ReduceOp.from_value(reduce_op)
         if not isinstance(value, DistributedValues):
-            return reduce_non_distributed_value(op, value, self.num_replicas_in_sync)
+            if process_group() is None or len(self._devices()) != 1:
+                return reduce_non_distributed_value(op, value, self.num_replicas_in_sync)
+            value = PerReplica([value], devices=self._devices())
         first = value.devices[0]
         if axis is None:
             return self.extended.reduce_to(op, value, first)
