@@ -3,8 +3,10 @@ union of their devices, and each process's share of the result.
 
 Process ``p``'s contribution is what its request would reduce alone; the
 daemon joins pair ``i`` of every process into one value whose components are
-in global device order, reduces the batch once, and answers each process on
-its own destinations (its value's devices when it named none).
+in global device order (process 0's components first, each process's in its
+own order, as ``list_devices()`` lists them), reduces the batch once, and
+answers each process on its own destinations (its value's devices when it
+named none).
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
     joined = []
     for t in range(len(ref.pairs)):
         owner: dict[int, int] = {}
-        arrays: dict[int, np.ndarray] = {}
-        dests: set[int] = set()
+        arrays: dict[int, np.ndarray] = {}  # insertion order is the global order
+        dests: dict[int, None] = {}
         for pid in sorted(shares):
             value, pair_dests = shares[pid].pairs[t]
             for d, arr in zip(value.devices, value.arrays):
@@ -104,10 +106,8 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
                     )
                 owner[d] = pid
                 arrays[d] = arr
-            dests.update(pair_dests)
-        devices = tuple(sorted(arrays))
-        joined.append((Value(devices, tuple(arrays[d] for d in devices), f"tensor {t} of {what}"),
-                       tuple(sorted(dests))))
+            dests.update(dict.fromkeys(pair_dests))
+        joined.append((Value(tuple(arrays), tuple(arrays.values()), f"tensor {t} of {what}"), tuple(dests)))
     results = engine.batch_reduce(
         ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
         deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],

@@ -26,9 +26,15 @@ class _Collective:
     label: str
     num_processes: int
     arrived: dict[int, Any] = dataclasses.field(default_factory=dict)
+    complete: bool = False  # everyone arrived: nobody leaving can abort it any more
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     results: Mapping[int, Any] | None = None
     error: ServiceError | None = None
+
+    def raise_error(self) -> None:
+        """Raises a fresh copy of the error: one exception object raised in several
+        threads would keep every thread's frames (and their tensors) alive."""
+        raise type(self.error)(str(self.error))
 
 
 class Rendezvous:
@@ -55,7 +61,7 @@ class Rendezvous:
     def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096):
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], _Collective] = {}
-        self._failed: collections.OrderedDict[tuple[str, str], tuple[float, ServiceError]] = (
+        self._failed: collections.OrderedDict[tuple[str, str], tuple[float, type[ServiceError], str]] = (
             collections.OrderedDict()
         )
         self._failed_ttl = failed_ttl
@@ -108,7 +114,8 @@ class Rendezvous:
             now = time.monotonic()
             self._expire(now)
             if key in self._failed:
-                raise self._failed[key][1]
+                _, kind, message = self._failed[key]
+                raise kind(message)
             c = self._open.get(key)
             if c is None:
                 c = self._open[key] = _Collective(label, num_processes)
@@ -117,15 +124,16 @@ class Rendezvous:
                 self._fail(key, c, InvalidArgument(
                     f"process {process_id} says num_processes={num_processes} but process {first} said "
                     f"num_processes={c.num_processes} for {label}"), remember_failure)
-                raise c.error
+                c.raise_error()
             if process_id in c.arrived:
                 self._fail(key, c, InvalidArgument(
                     f"process {process_id} contributed twice to {label}; each process_id must be used by "
                     "one process"), remember_failure)
-                raise c.error
+                c.raise_error()
             c.arrived[process_id] = contribution
             last = len(c.arrived) == num_processes
             if last:
+                c.complete = True
                 del self._open[key]
         if last:
             try:
@@ -144,17 +152,29 @@ class Rendezvous:
             c.done.set()
             return results[process_id]
         if on_leave is not None:
-            on_leave(lambda: self._leave(key, c, process_id, remember_failure))
+            leave = lambda: self._leave(key, c, process_id, remember_failure)  # noqa: E731
+            if on_leave(leave) is False:  # gRPC: the call had already ended
+                leave()
         if not c.done.wait(timeout):
             with self._lock:
-                if not c.done.is_set():
+                if not c.done.is_set() and not c.complete:
                     missing = sorted(set(range(num_processes)) - set(c.arrived))
                     self._fail(key, c, DeadlineExceeded(
-                        f"{label} timed out after {timeout:g}s waiting for process(es) {missing}; "
+                        f"{label} timed out after {timeout:.3g}s waiting for process(es) {missing}; "
                         f"arrived: {sorted(c.arrived)}"), remember_failure)
+            # Everyone arrived and the last arrival is computing: its deadline bounds the work.
+            if c.complete and not c.done.wait(max(timeout, 1.0)):
+                raise DeadlineExceeded(f"{label}: every process arrived but the reduction did not finish "
+                                       f"within {max(timeout, 1.0):.3g}s more")
         if c.error is not None:
-            raise c.error
+            c.raise_error()
         return c.results[process_id]
+
+    def forget_failures(self, group: str) -> None:
+        """Forgets the remembered failures of ``group``: a new job of that name starts afresh."""
+        with self._lock:
+            for key in [k for k in self._failed if k[0] == group]:
+                del self._failed[key]
 
     def fail(self, key: tuple[str, str], label: str, num_processes: int, error: ServiceError) -> None:
         """Fails collective ``key`` for everyone with ``error`` (e.g. one participant's
@@ -166,7 +186,7 @@ class Rendezvous:
 
     def _leave(self, key, c: _Collective, process_id: int, remember: bool) -> None:
         with self._lock:
-            if not c.done.is_set():
+            if not c.done.is_set() and not c.complete:
                 self._fail(key, c, Aborted(
                     f"{c.label} was aborted: process {process_id} left (its call ended or its process "
                     "died) before every process arrived"), remember)
@@ -180,7 +200,7 @@ class Rendezvous:
         if self._open.get(key) is c:
             del self._open[key]
         if remember:
-            self._failed[key] = (time.monotonic() + self._failed_ttl, error)
+            self._failed[key] = (time.monotonic() + self._failed_ttl, type(error), str(error))
             self._failed.move_to_end(key)
             while len(self._failed) > self._max_failed:
                 self._failed.popitem(last=False)
@@ -188,7 +208,7 @@ class Rendezvous:
 
     def _expire(self, now: float) -> None:
         while self._failed:
-            key, (expires, _) = next(iter(self._failed.items()))
+            key, (expires, _, _) = next(iter(self._failed.items()))
             if expires > now:
                 break
             del self._failed[key]

@@ -168,12 +168,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         if group.num_processes == 1:
             assigned = {0: devices or tuple(range(len(self.devices)))}
         else:
-            assigned = self._meet(
-                group, devices, deadline, context,
-                lambda shares: {pid: assign_devices(shares, len(self.devices), self.engine.label, label)
-                                for pid in shares},
-                remember_failure=False,
-            )
+            def join(shares):
+                assigned = assign_devices(shares, len(self.devices), self.engine.label, label)
+                # A new job of this group name: earlier jobs' failures no longer apply.
+                self.rendezvous.forget_failures(request.group)
+                return {pid: assigned for pid in shares}
+
+            assigned = self._meet(group, devices, deadline, context, join, remember_failure=False)
         names = {pid: [self.devices.name(d).canonical for d in devs] for pid, devs in assigned.items()}
         return pb.JoinGroupResponse(
             local_devices=names[group.process_id],
