@@ -18,6 +18,16 @@ SETTINGS = {
     "grace_seconds": ("2.5", 2.5, "0", 0.0),
     "workers": ("4", 4, "2", 2),
     "collective_timeout": ("1.5", 1.5, "30", 30.0),
+    "tls_cert": ("/a/cert.pem", "/a/cert.pem", "/b/cert.pem", "/b/cert.pem"),
+    "tls_key": ("/a/key.pem", "/a/key.pem", "/b/key.pem", "/b/key.pem"),
+    "tls_client_ca": ("/a/ca.pem", "/a/ca.pem", "/b/ca.pem", "/b/ca.pem"),
+    "auth_token_file": ("/a/token", "/a/token", "/b/token", "/b/token"),
+    "auth_health": ("true", True, "off", False),
+    "socket_group": ("xreduce", "xreduce", "trainers", "trainers"),
+    "max_request_bytes": ("1000", 1000, "2000", 2000),
+    "max_inflight_bytes": ("5000", 5000, "6000", 6000),
+    "max_collectives": ("3", 3, "4", 4),
+    "metrics_listen": ("127.0.0.1:9100", "127.0.0.1:9100", "0.0.0.0:9200", "0.0.0.0:9200"),
 }
 DEFAULTS = {
     "listen": "127.0.0.1:50551",
@@ -28,6 +38,16 @@ DEFAULTS = {
     "grace_seconds": 10.0,
     "workers": 64,
     "collective_timeout": 300.0,
+    "tls_cert": None,
+    "tls_key": None,
+    "tls_client_ca": None,
+    "auth_token_file": None,
+    "auth_health": False,
+    "socket_group": None,
+    "max_request_bytes": 1 << 30,
+    "max_inflight_bytes": 4 << 30,
+    "max_collectives": 1024,
+    "metrics_listen": None,
 }
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
 ENV = {f: "XREDUCE_" + f.upper() for f in SETTINGS}
@@ -145,6 +165,9 @@ BAD = [
     ("workers", "0", "must be >= 1; got 0"),
     ("workers", "-1", "must be >= 1; got -1"),
     ("workers", "many", "must be int; got 'many'"),
+    ("auth_health", "maybe", "must be true or false; got 'maybe'"),
+    ("max_inflight_bytes", "0", "must be >= 1; got 0"),
+    ("max_collectives", "-3", "must be >= 1; got -3"),
 ]
 BAD_IDS = [f"{f.replace('_', '-')}-{v}" for f, v, _ in BAD]
 
@@ -190,3 +213,15 @@ def test_non_finite_grace_seconds_is_rejected(value):
     with pytest.raises(ValueError) as info:
         resolve(["--grace-seconds", value], {})
     assert "--grace-seconds" in str(info.value) and value in str(info.value)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key go together; got only --tls-cert"),
+    ({"tls_key": "k.pem"}, "--tls-cert and --tls-key go together; got only --tls-key"),
+    ({"tls_client_ca": "ca.pem"}, "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)"),
+], ids=["cert-alone", "key-alone", "client-ca-without-tls"])
+def test_settings_that_go_together(settings, message):
+    with pytest.raises(ValueError) as info:
+        config.check(Config(**settings))
+    assert str(info.value) == message
+    assert config.check(Config(tls_cert="c", tls_key="k", tls_client_ca="ca")).tls_client_ca == "ca"

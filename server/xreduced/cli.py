@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config = config_lib.resolve(argv)
+        config = config_lib.check(config_lib.resolve(argv))
     except ValueError as e:
         print(f"xreduced: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,21 @@ class Config:
     workers: int = 64
     collective_timeout: float = 300.0
     """Seconds a process waits for the others of its collective, unless its request says less."""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """With it, clients must present a certificate signed by this CA (mutual TLS)."""
+    auth_token_file: str | None = None
+    """A file holding the bearer token every call must carry."""
+    auth_health: bool = False
+    """Whether health and reflection need the token too."""
+    socket_group: str | None = None
+    """A unix socket is created mode 0600; with a group it is 0660 and owned by that group."""
+    max_request_bytes: int = 1 << 30
+    max_inflight_bytes: int = 4 << 30
+    max_collectives: int = 1024
+    metrics_listen: str | None = None
+    """host:port for Prometheus metrics; None: no metrics endpoint."""
 
 
 _FLAGS = {
@@ -47,6 +62,16 @@ _FLAGS = {
     "grace_seconds": (float, "on SIGTERM/SIGINT, how long in-flight calls may finish; default 10"),
     "workers": (int, "threads serving calls (each waiting collective holds one); default 64"),
     "collective_timeout": (float, "seconds a multi-process collective waits for every process; default 300"),
+    "tls_cert": (str, "PEM certificate chain: serve TLS (with --tls-key)"),
+    "tls_key": (str, "PEM private key of --tls-cert"),
+    "tls_client_ca": (str, "PEM CA bundle: require client certificates signed by it (mutual TLS)"),
+    "auth_token_file": (str, "file holding the bearer token every call must carry (authorization: Bearer ...)"),
+    "auth_health": ("bool", "true: health and reflection need the token too; default false"),
+    "socket_group": (str, "unix socket: grant this group access (mode 0660) instead of 0600"),
+    "max_request_bytes": (int, "largest request accepted, in bytes; default 1073741824 (1 GiB)"),
+    "max_inflight_bytes": (int, "bytes of requests being served at once, at most; default 4294967296 (4 GiB)"),
+    "max_collectives": (int, "multi-process collectives waiting at once, at most; default 1024"),
+    "metrics_listen": (str, "host:port to serve Prometheus metrics on; default off"),
 }
 
 
@@ -99,12 +124,40 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
             raw, source = environ[env_name(field)], env_name(field)
         if raw is None:
             continue
+        if kind == "bool":
+            if raw.lower() not in _BOOLS:
+                raise ValueError(f"{source} must be true or false; got {raw!r}")
+            values[field] = _BOOLS[raw.lower()]
+            continue
         try:
             values[field] = kind(raw)
         except ValueError:
             raise ValueError(f"{source} must be {kind.__name__}; got {raw!r}") from None
         values[field] = _check(field, values[field], source)
     return Config(**values)
+
+
+def check(config: Config) -> Config:
+    """Checks settings that only make sense together.
+
+    Raises:
+        ValueError: naming the flags.
+
+    Example:
+        >>> check(Config(tls_cert="server.pem"))
+        Traceback (most recent call last):
+        ...
+        ValueError: --tls-cert and --tls-key go together; got only --tls-cert
+    """
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together; got only "
+                         + ("--tls-cert" if config.tls_cert else "--tls-key"))
+    if config.tls_client_ca and not config.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    return config
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
 def _check(field: str, value, source: str):
@@ -124,6 +177,11 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be a number of seconds in [0, 3600]; got {value}")
     elif field == "collective_timeout" and not 0 < value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in (0, 86400]; got {value}")
+    elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives") and value < 1:
+        raise ValueError(f"{source} must be >= 1; got {value}")
+    elif field in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "socket_group",
+                   "metrics_listen") and not value:
+        raise ValueError(f"{source} must not be empty; got {value!r}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field == "listen" and not value:

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 
+from xreduced import observability, security
 from xreduced.backends import Backend
 from xreduced.config import Config
 from xreduced.engine import Engine
@@ -68,11 +69,14 @@ class Daemon:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        self.stats = observability.Stats()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
+            interceptors=[*security.interceptors(config), observability.CallInterceptor(self.stats)],
             options=options,
         )
-        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout)
+        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
+                                             config=config, stats=self.stats)
         pb_grpc.add_CrossDeviceOpsServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -85,14 +89,20 @@ class Daemon:
         """Binds, starts serving and marks health SERVING.
 
         Raises:
-            RuntimeError: the address cannot be bound.
+            RuntimeError: the address cannot be bound, or a credentials file read.
         """
         listen = self.config.listen
+        credentials = security.server_credentials(self.config)
         try:
-            port = self.server.add_insecure_port(listen)
+            with security.private_files():
+                if credentials is None:
+                    port = self.server.add_insecure_port(listen)
+                else:
+                    port = self.server.add_secure_port(listen, credentials)
         except RuntimeError as e:
             raise RuntimeError(f"cannot listen on {listen!r}: {e}") from None
         if listen.startswith("unix:"):
+            security.protect_socket(listen[len("unix:"):].removeprefix("//"), self.config)
             self.address = listen
         else:
             host = listen.rsplit(":", 1)[0]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import logging
+import time
 
 import grpc
 import numpy as np
@@ -19,13 +21,25 @@ from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 
 from xreduced import planner
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, label, reduce_together
+from xreduced.config import Config
 from xreduced.devices import DeviceTable
 from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations
 from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
+from xreduced.observability import Stats
 from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("xreduce")
+    except importlib.metadata.PackageNotFoundError:  # running from a checkout
+        return "unknown"
+
+
+VERSION = _version()
 
 _OPS = {pb.REDUCE_OP_SUM: SUM, pb.REDUCE_OP_MEAN: MEAN}
 _ALGORITHMS = {
@@ -87,24 +101,56 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     """
 
     def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = 300.0,
-                 rendezvous: Rendezvous | None = None):
+                 rendezvous: Rendezvous | None = None, config: Config | None = None,
+                 stats: Stats | None = None):
         self.engine = engine
         self.backend_name = backend_name
         self.devices = DeviceTable(engine.backend.devices())
         self.collective_timeout = collective_timeout
         self.rendezvous = rendezvous or Rendezvous()
+        self.config = config or Config()
+        self.stats = stats or Stats()
 
     @_status
     def ListDevices(self, request, context):
-        out = pb.ListDevicesResponse(backend=self.backend_name)
-        for i, info in enumerate(self.devices.infos):
-            name = self.devices.name(i)
-            out.devices.add(
-                name=name.canonical, short_name=name.short, device_type=info.device_type,
-                index=info.index, memory_bytes=info.memory_bytes, physical_device=info.physical_device,
-            )
+        out = pb.ListDevicesResponse(backend=self.backend_name, devices=self._device_messages())
         for row in self.engine.backend.peer_access():
             out.peer_access.add(can_access=row)
+        return out
+
+    @_status
+    def GetStatus(self, request, context):
+        c = self.config
+        return pb.GetStatusResponse(
+            version=VERSION,
+            backend=self.backend_name,
+            devices=self._device_messages(),
+            uptime_seconds=time.monotonic() - self.stats.started,
+            limits=pb.Limits(
+                max_message_bytes=c.max_message_bytes, max_request_bytes=c.max_request_bytes,
+                max_inflight_bytes=c.max_inflight_bytes, max_collectives=c.max_collectives,
+                collective_timeout_seconds=self.collective_timeout, workers=c.workers,
+            ),
+            methods=[
+                pb.MethodStats(method=m, calls_by_code=v["calls_by_code"], bytes_in=v["bytes_in"],
+                               bytes_out=v["bytes_out"])
+                for m, v in sorted(self.stats.snapshot().items())
+            ],
+            inflight_bytes=self.stats.inflight_bytes,
+            collectives_waiting=self.rendezvous.pending(),
+            tls=c.tls_cert is not None,
+            mutual_tls=c.tls_client_ca is not None,
+            token_auth=c.auth_token_file is not None,
+        )
+
+    def _device_messages(self) -> list[pb.Device]:
+        out = []
+        for i, info in enumerate(self.devices.infos):
+            name = self.devices.name(i)
+            out.append(pb.Device(
+                name=name.canonical, short_name=name.short, device_type=info.device_type,
+                index=info.index, memory_bytes=info.memory_bytes, physical_device=info.physical_device,
+            ))
         return out
 
     @_status

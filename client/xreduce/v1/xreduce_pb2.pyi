@@ -273,3 +273,68 @@ class JoinGroupResponse(_message.Message):
     global_devices: _containers.RepeatedScalarFieldContainer[str]
     processes: _containers.RepeatedCompositeFieldContainer[ProcessDevices]
     def __init__(self, local_devices: _Optional[_Iterable[str]] = ..., global_devices: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessDevices, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_message_bytes", "max_request_bytes", "max_inflight_bytes", "max_collectives", "collective_timeout_seconds", "workers")
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    max_message_bytes: int
+    max_request_bytes: int
+    max_inflight_bytes: int
+    max_collectives: int
+    collective_timeout_seconds: float
+    workers: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., max_collectives: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("method", "calls_by_code", "bytes_in", "bytes_out")
+    class CallsByCodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLS_BY_CODE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calls_by_code: _containers.ScalarMap[str, int]
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, method: _Optional[str] = ..., calls_by_code: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MUTUAL_TLS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AUTH_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    backend: str
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    uptime_seconds: float
+    limits: Limits
+    methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    inflight_bytes: int
+    collectives_waiting: int
+    tls: bool
+    mutual_tls: bool
+    token_auth: bool
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ...) -> None: ...

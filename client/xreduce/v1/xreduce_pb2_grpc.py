@@ -61,6 +61,11 @@ class CrossDeviceOpsStub:
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/GetStatus',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
 
 
 class CrossDeviceOpsServicer:
@@ -106,6 +111,14 @@ class CrossDeviceOpsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """GetStatus returns the daemon's limits and counters (what `xreduce status`
+        shows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CrossDeviceOpsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +146,11 @@ def add_CrossDeviceOpsServicer_to_server(servicer, server):
                     servicer.JoinGroup,
                     request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.FromString,
                     response_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +290,33 @@ class CrossDeviceOps:
             '/xreduce.v1.CrossDeviceOps/JoinGroup',
             xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
             xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/GetStatus',
+            xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

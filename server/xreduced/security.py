@@ -1,0 +1,140 @@
+"""Who may talk to the daemon: TLS, mutual TLS, a bearer token, socket permissions.
+
+The token is checked in a server interceptor, compared in constant time; a
+call without it gets UNAUTHENTICATED. Health and reflection stay open unless
+``--auth-health true`` (so that probes and grpcurl ``list`` work without a
+secret); everything else needs the token once one is configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import hmac
+import os
+from collections.abc import Iterator
+
+import grpc
+
+from xreduced.config import Config
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+"""Method prefixes that need no token unless --auth-health is true."""
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise RuntimeError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+
+
+def load_token(config: Config) -> bytes | None:
+    """The bearer token from ``--auth-token-file`` (surrounding whitespace dropped), or None.
+
+    Raises:
+        RuntimeError: the file cannot be read or holds no token.
+    """
+    if config.auth_token_file is None:
+        return None
+    token = _read(config.auth_token_file, "--auth-token-file").strip()
+    if not token:
+        raise RuntimeError(f"--auth-token-file {config.auth_token_file}: the file is empty")
+    return token
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``), or None.
+
+    Raises:
+        RuntimeError: a file cannot be read.
+    """
+    if config.tls_cert is None:
+        return None
+    chain = _read(config.tls_cert, "--tls-cert")
+    key = _read(config.tls_key, "--tls-key")
+    ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+@contextlib.contextmanager
+def private_files() -> Iterator[None]:
+    """Files (the unix socket) created inside are mode 0600 from the start."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def protect_socket(path: str, config: Config) -> None:
+    """Mode 0600, or 0660 owned by ``--socket-group``.
+
+    Raises:
+        RuntimeError: the group does not exist or cannot be given the socket.
+    """
+    if config.socket_group is None:
+        os.chmod(path, 0o600)
+        return
+    try:
+        gid = grp.getgrnam(config.socket_group).gr_gid
+        os.chown(path, -1, gid)
+    except KeyError:
+        raise RuntimeError(f"--socket-group {config.socket_group}: no such group") from None
+    except OSError as e:
+        raise RuntimeError(f"--socket-group {config.socket_group}: cannot give it {path} ({e.strerror})") from None
+    os.chmod(path, 0o660)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED).
+
+    Example:
+        >>> TokenInterceptor(b"s3cret").allowed((("authorization", "Bearer s3cret"),))
+        True
+    """
+
+    def __init__(self, token: bytes, protect_health: bool = False):
+        self._expected = b"Bearer " + token
+        self._protect_health = protect_health
+
+    def allowed(self, metadata) -> bool:
+        """Whether the call's metadata carries the token (constant-time comparison)."""
+        given = next((v for k, v in metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else given
+        return hmac.compare_digest(given, self._expected)
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None or self.allowed(handler_call_details.invocation_metadata):
+            return handler
+        if not self._protect_health and method.startswith(OPEN_SERVICES):
+            return handler
+        return _deny(handler, f"{method} needs a valid bearer token (authorization: Bearer <token>)")
+
+
+def _deny(handler, message: str):
+    def abort(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def abort_stream(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    behaviour = abort_stream if handler.response_streaming else abort
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def interceptors(config: Config) -> list[grpc.ServerInterceptor]:
+    """The interceptors security asks for (none without a token file)."""
+    token = load_token(config)
+    return [TokenInterceptor(token, config.auth_health)] if token is not None else []
