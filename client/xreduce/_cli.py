@@ -1,6 +1,7 @@
 """The ``xreduce`` command: tools around the daemon.
 
-``xreduce plan`` prints the plan the daemon would run, step by step.
+``xreduce plan`` prints the plan the daemon would run, step by step;
+``xreduce status`` shows a running daemon's devices, limits and counters.
 """
 
 from __future__ import annotations
@@ -47,11 +48,123 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+_SERVICE_PREFIX = "/xreduce.v1.CrossDeviceOps/"
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people, in binary units.
+
+    Example:
+        >>> human_bytes(0), human_bytes(351), human_bytes(1536), human_bytes(1 << 30)
+        ('0 B', '351 B', '1.5 KiB', '1 GiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(seconds: float) -> str:
+    """An uptime for people.
+
+    Example:
+        >>> human_seconds(4.2), human_seconds(134), human_seconds(3725), human_seconds(180000)
+        ('4.2s', '2m 14s', '1h 02m', '2d 02h')
+    """
+    s = int(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def describe_status(status, address: str) -> str:
+    """``xreduce status``'s text for a ``GetStatusResponse``."""
+    security = ", ".join(
+        (["mutual TLS" if status.mutual_tls else "TLS"] if status.tls else ["plaintext"])
+        + ["bearer token" if status.token_auth else "no token"])
+    lim = status.limits
+    lines = [
+        f"xreduced {status.version} at {address}, up {human_seconds(status.uptime_seconds)}",
+        f"  backend   {status.backend}",
+        f"  security  {security}",
+        "",
+        f"devices ({len(status.devices)})",
+    ]
+    width = max((len(d.short_name) for d in status.devices), default=0)
+    for d in status.devices:
+        lines.append(f"  {d.short_name:<{width}}  {human_bytes(d.memory_bytes):>9}  {d.physical_device}")
+    lines += [
+        "",
+        "limits",
+        f"  max request bytes    {human_bytes(lim.max_request_bytes)} ({lim.max_request_bytes})",
+        f"  max in-flight bytes  {human_bytes(lim.max_inflight_bytes)} ({lim.max_inflight_bytes})",
+        f"  max collectives      {lim.max_collectives}",
+        f"  max message bytes    {human_bytes(lim.max_message_bytes)} ({lim.max_message_bytes})",
+        f"  collective timeout   {lim.collective_timeout_seconds:g}s",
+        f"  workers              {lim.workers}",
+        "",
+        "now",
+        f"  in-flight bytes      {human_bytes(status.inflight_bytes)} ({status.inflight_bytes})",
+        f"  collectives waiting  {status.collectives_waiting}",
+        "",
+    ]
+    if not status.methods:
+        lines.append("calls: none yet")
+        return "\n".join(lines)
+    rows = []
+    for m in status.methods:
+        codes = sorted(m.calls_by_code.items(), key=lambda kv: (kv[0] != "OK", kv[0]))
+        rows.append((m.method.removeprefix(_SERVICE_PREFIX).lstrip("/"), str(sum(m.calls_by_code.values())),
+                     ", ".join(f"{code} {n}" for code, n in codes), human_bytes(m.bytes_in),
+                     human_bytes(m.bytes_out)))
+    header = ("calls", "total", "by status", "bytes in", "bytes out")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+    for i, r in enumerate([header, *rows]):
+        indent = "" if i == 0 else "  "
+        lines.append(f"{indent + r[0]:<{widths[0] + 2}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  "
+                     f"{r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}".rstrip())
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from xreduce._client import Client
+    from xreduce._errors import XReduceError
+    from xreduce.v1 import xreduce_pb2 as pb
+
+    try:
+        client = Client(args.address, timeout=args.timeout)
+    except ValueError as e:  # malformed TLS settings
+        print(f"xreduce status: {e}", file=sys.stderr)
+        return 1
+    with client:
+        address = client.address
+        try:
+            status = client.call("GetStatus", pb.GetStatusRequest())
+        except (XReduceError, ValueError) as e:
+            code = getattr(e, "code", None)
+            what = f" ({code.name})" if code is not None else ""
+            print(f"xreduce status: cannot get the status of the daemon at {address}{what}: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
+    else:
+        print(describe_status(status, address))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``xreduce`` command.
 
     Example (shell):
         $ xreduce plan --devices 8 --num-packs 2 --bytes 1MiB
+        $ xreduce status --address 127.0.0.1:50551 --json
     """
     p = argparse.ArgumentParser(prog="xreduce", description="xreduce tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -64,7 +177,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--dtype", default="float32", help="element type (default float32)")
     plan.add_argument("--algorithm", default="hierarchical_copy",
                       choices=["hierarchical_copy", "reduction_to_one_device"])
+    status = sub.add_parser(
+        "status", help="show a running daemon's devices, limits and counters",
+        description="Shows a running daemon's devices, limits and counters (its GetStatus). The daemon is "
+        "--address, else XREDUCE_ADDRESS, else 127.0.0.1:50551; the token comes from XREDUCE_TOKEN and TLS "
+        "from the XREDUCE_TLS_* variables, as for the SDK. Exits 1 when the daemon cannot be reached.")
+    status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")
+    status.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
     args = p.parse_args(argv)
+    if args.command == "status":
+        if not args.timeout > 0:
+            p.error(f"--timeout must be positive; got {args.timeout}")
+        return _status(args)
     for name in ("devices", "tensors"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1; got {getattr(args, name)}")

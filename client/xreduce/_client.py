@@ -1,9 +1,17 @@
-"""The connection to a daemon: address resolution, a lazy channel, typed calls."""
+"""The connection to a daemon: address resolution, credentials, a lazy channel, typed calls.
+
+Resilience lives in the channel: it reconnects on its own after the daemon
+restarts (fast reconnect backoff), idempotent calls (ListDevices, GetStatus,
+health) are retried on UNAVAILABLE with exponential backoff through the gRPC
+service config, and collectives are never retried nor queued (no
+wait_for_ready), so they fail fast with an UnavailableError naming the address.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import threading
 
@@ -20,6 +28,50 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a call may take when the caller gives no timeout: no wait is unbounded."""
 
 MAX_MESSAGE_BYTES = (1 << 31) - 1
+
+ENV_TOKEN = "XREDUCE_TOKEN"
+"""The bearer token, when ``token=`` is not given."""
+ENV_TLS_CA = "XREDUCE_TLS_CA"
+"""PEM file of the CA that signed the daemon's certificate; setting it turns TLS on."""
+ENV_TLS_CLIENT_CERT = "XREDUCE_TLS_CLIENT_CERT"
+"""PEM certificate chain this process presents (mutual TLS), with :data:`ENV_TLS_CLIENT_KEY`."""
+ENV_TLS_CLIENT_KEY = "XREDUCE_TLS_CLIENT_KEY"
+"""PEM private key of :data:`ENV_TLS_CLIENT_CERT`."""
+ENV_TLS_SERVER_NAME = "XREDUCE_TLS_SERVER_NAME"
+"""The name the daemon's certificate is checked against, instead of the address's host."""
+
+SERVICE = "xreduce.v1.CrossDeviceOps"
+IDEMPOTENT_METHODS = ((SERVICE, "ListDevices"), (SERVICE, "GetStatus"), ("grpc.health.v1.Health", "Check"))
+"""The calls retried on UNAVAILABLE; collectives (Reduce, BatchReduce, Broadcast, JoinGroup) never are."""
+
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 4,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+"""Up to 5 attempts, waiting about 0.1 s, 0.4 s, 1.6 s, 2 s between them (gRPC adds jitter)."""
+
+SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": service, "method": method} for service, method in IDEMPOTENT_METHODS],
+        "retryPolicy": RETRY_POLICY,
+    }],
+})
+"""The gRPC service config of every SDK channel."""
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", SERVICE_CONFIG),
+    # Reconnect soon after the daemon comes back: 100 ms, growing to 2 s at most (gRPC's default: 1 s to 120 s).
+    # (grpc.min_reconnect_backoff_ms, the connect timeout, keeps its 20 s: a far daemon must have time to answer.)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+"""Options of every SDK channel: message limits, retries, fast reconnects."""
 
 _embedded_address: list[str] = []  # set by serve_embedded(), innermost last
 _lock = threading.Lock()
@@ -84,23 +136,78 @@ def resolve_address(address: str | None = None) -> str:
     return os.environ.get("XREDUCE_ADDRESS") or DEFAULT_ADDRESS
 
 
+Pem = bytes | str | os.PathLike
+"""PEM data as bytes, or the path of a PEM file."""
+
+
+def _pem(value: Pem | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{what} {os.fspath(value)}: cannot read it ({e.strerror})") from None
+
+
+def _env_pem(name: str) -> bytes | None:
+    path = os.environ.get(name)
+    return _pem(path, name) if path else None
+
+
 class Client:
     """A connection to one daemon; the channel opens on first use.
 
     Args:
         address: ``host:port`` or ``unix:PATH``; see :func:`resolve_address`.
         timeout: default seconds per call (``None``: :data:`DEFAULT_TIMEOUT`).
+        token: the bearer token sent with every call as ``authorization: Bearer
+            <token>`` metadata (also over plaintext); default ``XREDUCE_TOKEN``,
+            else none.
+        root_certificates: the CA that signed the daemon's certificate, PEM
+            bytes or a file path; giving it (or setting ``XREDUCE_TLS_CA`` to
+            a file) turns TLS on. Without either the channel is plaintext.
+        certificate_chain: this process's certificate for mutual TLS, PEM bytes
+            or a path; default ``XREDUCE_TLS_CLIENT_CERT``.
+        private_key: its key; default ``XREDUCE_TLS_CLIENT_KEY``.
+
+    ``XREDUCE_TLS_SERVER_NAME`` overrides the name the daemon's certificate
+    must carry (default: the address's host). A daemon started by
+    :func:`xreduce.serve_embedded` is reached in plaintext over its private
+    socket whatever the ``XREDUCE_TLS_*`` variables say.
+
+    Idempotent calls (ListDevices, GetStatus, health) are retried while the
+    daemon is unavailable (5 attempts over about 4 s); collectives fail at
+    once with :class:`xreduce.UnavailableError`. The channel reconnects by
+    itself after the daemon restarts: keep using the same client.
+
+    Raises:
+        ValueError: ``certificate_chain`` without ``private_key`` or the reverse;
+            on the first call, a PEM file that cannot be read, or only one of
+            ``XREDUCE_TLS_CLIENT_CERT``/``XREDUCE_TLS_CLIENT_KEY`` (the message
+            names the argument or the variable).
 
     Example:
         >>> with Client("127.0.0.1:1") as c:  # constructing needs no daemon
         ...     c.address
         '127.0.0.1:1'
+        >>> Client("daemon.example:50551", token="s3cret", root_certificates=b"-----BEGIN CERTIFICATE-----...").tls
+        True
     """
 
-    def __init__(self, address: str | None = None, timeout: float | None = None):
+    def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None,
+                 root_certificates: Pem | None = None, certificate_chain: Pem | None = None,
+                 private_key: Pem | None = None):
+        if (certificate_chain is None) != (private_key is None):
+            raise ValueError("certificate_chain and private_key go together (mutual TLS); got only "
+                             + ("certificate_chain" if private_key is None else "private_key"))
         self._explicit = address
         self._address: str | None = None
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        self._token = token
+        self._root_certificates = root_certificates
+        self._certificate_chain = certificate_chain
+        self._private_key = private_key
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CrossDeviceOpsStub | None = None
         self._devices: pb.ListDevicesResponse | None = None
@@ -112,26 +219,84 @@ class Client:
             self._address = resolve_address(self._explicit)
         return self._address
 
-    def _get_stub(self) -> pb_grpc.CrossDeviceOpsStub:
+    @property
+    def tls(self) -> bool:
+        """Whether the channel uses TLS (``root_certificates``, a client certificate or ``XREDUCE_TLS_CA``)."""
+        if self._root_certificates is not None or self._certificate_chain is not None:
+            return True
+        return self._from_env(ENV_TLS_CA) is not None
+
+    def _from_env(self, name: str) -> str | None:
+        """A TLS variable, ignored for the embedded daemon (plaintext on its private socket)."""
+        if self._explicit is None and self.address in _embedded_address:
+            return None
+        return os.environ.get(name) or None
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self._token if self._token is not None else os.environ.get(ENV_TOKEN)
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _credentials(self) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
+        """TLS credentials: each argument, else its environment variable."""
+        root = _pem(self._root_certificates, "root_certificates") if self._root_certificates is not None \
+            else _pem(self._from_env(ENV_TLS_CA), ENV_TLS_CA)
+        if self._certificate_chain is not None:
+            chain = _pem(self._certificate_chain, "certificate_chain")
+            key = _pem(self._private_key, "private_key")
+        else:
+            chain = _pem(self._from_env(ENV_TLS_CLIENT_CERT), ENV_TLS_CLIENT_CERT)
+            key = _pem(self._from_env(ENV_TLS_CLIENT_KEY), ENV_TLS_CLIENT_KEY)
+            if (chain is None) != (key is None):
+                raise ValueError(f"{ENV_TLS_CLIENT_CERT} and {ENV_TLS_CLIENT_KEY} go together (mutual TLS); got "
+                                 f"only {ENV_TLS_CLIENT_CERT if chain is not None else ENV_TLS_CLIENT_KEY}")
+        server_name = self._from_env(ENV_TLS_SERVER_NAME)
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        return grpc.ssl_channel_credentials(root, key, chain), options
+
+    def _open(self) -> grpc.Channel:
+        options = list(CHANNEL_OPTIONS)
+        if not self.tls:
+            return grpc.insecure_channel(self.address, options=options)
+        credentials, extra = self._credentials()
+        return grpc.secure_channel(self.address, credentials, options=options + extra)
+
+    def _get_channel(self) -> grpc.Channel:
         with _lock:
-            if self._stub is None:
-                self._channel = grpc.insecure_channel(
-                    self.address,
-                    options=[
-                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ],
-                )
+            if self._channel is None:
+                self._channel = self._open()
                 self._stub = pb_grpc.CrossDeviceOpsStub(self._channel)
-            return self._stub
+            return self._channel
+
+    def _get_stub(self) -> pb_grpc.CrossDeviceOpsStub:
+        self._get_channel()
+        return self._stub
 
     def call(self, method: str, request, timeout: float | None = None):
         """Calls RPC ``method``; failures raise :class:`xreduce.XReduceError`."""
         rpc = getattr(self._get_stub(), method)
         try:
-            return rpc(request, timeout=self.timeout if timeout is None else timeout)
+            return rpc(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
         except grpc.RpcError as e:
             raise from_rpc_error(e, self.address) from None
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The daemon's health for ``service`` ("" is the whole daemon): ``"SERVING"``, ``"NOT_SERVING"``...
+
+        Retried like ListDevices while the daemon is unavailable.
+
+        Raises:
+            xreduce.XReduceError: the call failed, e.g. UnavailableError or,
+                with ``--auth-health true`` and no valid token, UnauthenticatedError.
+        """
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        check = health_pb2_grpc.HealthStub(self._get_channel()).Check
+        try:
+            reply = check(health_pb2.HealthCheckRequest(service=service),
+                          timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def list_devices(self, refresh: bool = False) -> pb.ListDevicesResponse:
         """The daemon's ``ListDevicesResponse`` (cached after the first call)."""

@@ -238,6 +238,7 @@ class DistributionState:
         address: the daemon :meth:`initialize` checks; default
             :func:`xreduce.resolve_address` at that time.
         timeout: seconds the daemon may take to answer that check.
+        token: the daemon's bearer token; default ``XREDUCE_TOKEN``, else none.
 
     Example:
         >>> import threading, xreduce
@@ -256,8 +257,9 @@ class DistributionState:
         False
     """
 
-    def __init__(self, address: str | None = None, timeout: float = LIST_TIMEOUT):
+    def __init__(self, address: str | None = None, timeout: float = LIST_TIMEOUT, token: str | None = None):
         self._address = address
+        self._token = token
         self._timeout = timeout
         self._info: ProcessInfo | None = None
         self._group: ProcessGroup | None = None
@@ -303,13 +305,13 @@ class DistributionState:
         """Meets the other processes in the daemon (bounded by its --collective-timeout)."""
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
-        with Client(self._address) as client:
+        with Client(self._address, token=self._token) as client:
             reply = client.call("JoinGroup", pb.JoinGroupRequest(
                 group=name, num_processes=count, process_id=pid, devices=requested))
         return ProcessGroup(name, count, pid, tuple(reply.local_devices), tuple(reply.global_devices))
 
     def _check_daemon(self) -> tuple[str, tuple[str, ...]]:
-        with Client(self._address, timeout=self._timeout) as client:
+        with Client(self._address, timeout=self._timeout, token=self._token) as client:
             try:
                 by_type = _devices_by_type(client)
             except DeadlineExceededError as e:

@@ -160,16 +160,18 @@ class CrossDeviceOps:
 
     Use :class:`HierarchicalCopyAllReduce` or :class:`ReductionToOneDevice`;
     both talk to the daemon at ``address`` (else ``XREDUCE_ADDRESS``, else the
-    default). Constructing one needs no running daemon.
+    default), sending ``token`` (else ``XREDUCE_TOKEN``) with every call; TLS
+    follows ``XREDUCE_TLS_CA`` and friends (see :class:`xreduce.Client`).
+    Constructing one needs no running daemon.
 
     Example:
-        >>> ops = HierarchicalCopyAllReduce(num_packs=2, address="127.0.0.1:1")
+        >>> ops = HierarchicalCopyAllReduce(num_packs=2, address="127.0.0.1:1", token="s3cret")
         >>> ops.num_packs
         2
     """
 
-    def __init__(self, address: str | None = None):
-        self._client = Client(address)
+    def __init__(self, address: str | None = None, token: str | None = None):
+        self._client = Client(address, token=token)
 
     @property
     def client(self) -> Client:
@@ -271,6 +273,11 @@ class CrossDeviceOps:
         return _regroup(reply.result, restore)
 
     def _local_names(self) -> Sequence[str]:
+        """Fetched only if a value or destination needs them: a collective whose
+        devices are all named fails fast when the daemon is down."""
+        return _Lazy(self._fetch_local_names)
+
+    def _fetch_local_names(self) -> Sequence[str]:
         """This process's devices: all the daemon's, or its share in a multi-process job."""
         group = process_group()
         return group.local_devices if group is not None else self._client.device_names()
@@ -360,6 +367,25 @@ def _regroup(result: pb.DistributedValue, restore: Callable) -> Any:
     return Mirrored(arrays, devices=[c.device for c in result.components])
 
 
+class _Lazy(Sequence):
+    """A sequence computed on first use."""
+
+    def __init__(self, fetch: Callable[[], Sequence[str]]):
+        self._fetch = fetch
+        self._items: tuple[str, ...] | None = None
+
+    def _get(self) -> tuple[str, ...]:
+        if self._items is None:
+            self._items = tuple(self._fetch())
+        return self._items
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
 def _writable_numpy(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
@@ -377,6 +403,8 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             packs, each reduced around its own pair of main devices; 0 disables
             packing. Never changes the numbers.
         address: the daemon; see :func:`xreduce.resolve_address`.
+        token: the daemon's bearer token (``--auth-token-file``); default
+            ``XREDUCE_TOKEN``, else none.
 
     Raises:
         ValueError: ``num_packs`` < 0, with TF's message.
@@ -386,12 +414,13 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         Traceback (most recent call last):
         ...
         ValueError: HierarchicalCopy requires num_packs >= 0, but -1 is specified
+        >>> ops = HierarchicalCopyAllReduce(address="10.0.0.5:50551", token="s3cret")  # a remote daemon
     """
 
-    def __init__(self, num_packs: int = 1, address: str | None = None):
+    def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None):
         if num_packs < 0:
             raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
-        super().__init__(address)
+        super().__init__(address, token)
         self.num_packs = num_packs
 
     def _algorithm(self) -> dict:
@@ -408,15 +437,17 @@ class ReductionToOneDevice(CrossDeviceOps):
             this process on host copies of the values (the daemon cannot run
             Python), then the result is broadcast to the destinations.
         address: the daemon.
+        token: the daemon's bearer token; default ``XREDUCE_TOKEN``, else none.
 
     Example:
         >>> ReductionToOneDevice(reduce_to_device="gpu:1").reduce_to_device
         '/job:localhost/replica:0/task:0/device:GPU:1'
+        >>> ops = ReductionToOneDevice(address="unix:/run/xreduce.sock", token="s3cret")
     """
 
     def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None,
-                 address: str | None = None):
-        super().__init__(address)
+                 address: str | None = None, token: str | None = None):
+        super().__init__(address, token)
         self.reduce_to_device = canonical(reduce_to_device) if reduce_to_device is not None else None
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise ValueError(f"accumulation_fn must be callable; got {accumulation_fn!r}")

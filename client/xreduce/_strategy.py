@@ -138,6 +138,8 @@ class MirroredStrategy:
             this process's devices.
         cross_device_ops: default ``HierarchicalCopyAllReduce()``.
         address: the daemon, when ``cross_device_ops`` is not given.
+        token: the daemon's bearer token, when ``cross_device_ops`` is not
+            given; default ``XREDUCE_TOKEN``, else none.
 
     In a multi-process job each process runs its own replicas; every
     reduction spans all processes, ``num_replicas_in_sync`` counts them all and
@@ -153,10 +155,11 @@ class MirroredStrategy:
         ...     grads = s.run(lambda: np.ones(2) * (get_replica_context().replica_id_in_sync_group + 1))
         ...     s.reduce("sum", grads, axis=None)
         array([10., 10.])
+        >>> remote = MirroredStrategy(address="10.0.0.5:50551", token="s3cret")  # asks the daemon on first use
     """
 
     def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: CrossDeviceOps | None = None,
-                 address: str | None = None):
+                 address: str | None = None, token: str | None = None):
         if devices is not None:
             if isinstance(devices, str) or not len(devices):
                 raise ValueError(f"devices must be a non-empty list of device names; got {devices!r}")
@@ -166,7 +169,7 @@ class MirroredStrategy:
             self._device_names: tuple[str, ...] | None = names
         else:
             self._device_names = None
-        self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address)
+        self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address, token=token)
         self.extended = MirroredExtended(self)
 
     def _devices(self) -> tuple[str, ...]:

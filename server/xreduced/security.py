@@ -12,6 +12,7 @@ import contextlib
 import grp
 import hmac
 import os
+import ssl
 from collections.abc import Iterator
 
 import grpc
@@ -44,17 +45,38 @@ def load_token(config: Config) -> bytes | None:
     return token
 
 
+def _check_pem(config: Config) -> None:
+    """Says which file is wrong before gRPC does (it only says "Failed to bind to address")."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path, flag in ((config.tls_cert, "--tls-cert"), (config.tls_client_ca, "--tls-client-ca")):
+        if path is None:
+            continue
+        try:
+            context.load_verify_locations(cafile=path)
+        except ssl.SSLError:
+            raise RuntimeError(f"{flag} {path}: holds no PEM certificate") from None
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=lambda: b"")
+    except ssl.SSLError as e:
+        why = "it does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e) else \
+            "not an unencrypted PEM private key"
+        raise RuntimeError(f"--tls-key {config.tls_key}: {why} (--tls-cert {config.tls_cert})") from None
+
+
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     """TLS credentials from ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``), or None.
 
     Raises:
-        RuntimeError: a file cannot be read.
+        RuntimeError: a file cannot be read, holds no PEM certificate, or the
+            key is not the certificate's (unencrypted) PEM private key; the
+            message names the flag and the path.
     """
     if config.tls_cert is None:
         return None
     chain = _read(config.tls_cert, "--tls-cert")
     key = _read(config.tls_key, "--tls-key")
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
+    _check_pem(config)
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
 
 
@@ -90,20 +112,26 @@ def protect_socket(path: str, config: Config) -> None:
 class TokenInterceptor(grpc.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED).
 
+    The scheme is case-insensitive (RFC 7235), the token is compared in
+    constant time.
+
     Example:
         >>> TokenInterceptor(b"s3cret").allowed((("authorization", "Bearer s3cret"),))
         True
+        >>> TokenInterceptor(b"s3cret").allowed((("authorization", "Bearer guess"),))
+        False
     """
 
     def __init__(self, token: bytes, protect_health: bool = False):
-        self._expected = b"Bearer " + token
+        self._expected = token
         self._protect_health = protect_health
 
     def allowed(self, metadata) -> bool:
         """Whether the call's metadata carries the token (constant-time comparison)."""
         given = next((v for k, v in metadata or () if k == "authorization"), "")
         given = given.encode() if isinstance(given, str) else given
-        return hmac.compare_digest(given, self._expected)
+        scheme, _, token = given.strip().partition(b" ")
+        return hmac.compare_digest(token.strip(), self._expected) and scheme.lower() == b"bearer"
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

@@ -62,6 +62,7 @@ class Daemon:
         self.config = config
         self.backend = backend or make_backend(config)
         self.address: str | None = None
+        self.metrics: observability.MetricsServer | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
         options = [
@@ -72,7 +73,8 @@ class Daemon:
         self.stats = observability.Stats()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
-            interceptors=[*security.interceptors(config), observability.CallInterceptor(self.stats)],
+            # The call log comes first, so that calls refused for their credentials are counted too.
+            interceptors=[observability.CallInterceptor(self.stats), *security.interceptors(config)],
             options=options,
         )
         self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
@@ -107,9 +109,17 @@ class Daemon:
         else:
             host = listen.rsplit(":", 1)[0]
             self.address = f"{host}:{port}"
-        self.server.start()
+        if self.config.metrics_listen:
+            try:
+                self.metrics = observability.MetricsServer(self.config.metrics_listen, self.stats.registry)
+            except RuntimeError:
+                self.server.stop(None)
+                raise
+            log.info("event=metrics address=%s", self.metrics.address)
+        # SERVING before the first call can arrive: no health check sees NOT_FOUND.
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server.start()
         log.info("%s", self.serving_line())
         return self
 
@@ -128,6 +138,8 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         log.info("event=stopping grace_seconds=%g", grace)
         self.server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("event=stopped")
 
     def wait(self) -> None:

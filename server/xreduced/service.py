@@ -26,7 +26,8 @@ from xreduced.devices import DeviceTable
 from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations
 from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
-from xreduced.observability import Stats
+from xreduced.limits import CollectiveSlots, LimitExceeded, Limits
+from xreduced.observability import REQUEST_BYTES, Stats
 from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
@@ -52,6 +53,8 @@ _ROUTES = {
     planner.HIERARCHICAL_COPY: pb.ROUTE_HIERARCHICAL_COPY,
     planner.REDUCTION_TO_ONE_DEVICE: pb.ROUTE_REDUCTION_TO_ONE_DEVICE,
 }
+_METHOD = "/" + pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].full_name + "/"
+"""Prefix of the full method names, as metrics label them."""
 
 
 def _status(handler):
@@ -61,7 +64,8 @@ def _status(handler):
     def wrapper(self, request, context):
         log.debug("event=handling method=%s peer=%s", handler.__name__, context.peer())
         try:
-            return handler(self, request, context)
+            with self._admitted(request, handler.__name__):
+                return handler(self, request, context)
         except ServiceError as e:
             context.abort(e.code, str(e))
         except codec.CodecError as e:
@@ -110,6 +114,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.rendezvous = rendezvous or Rendezvous()
         self.config = config or Config()
         self.stats = stats or Stats()
+        self.stats.configure(Limits.from_config(self.config), self.rendezvous.pending)
+        self.collective_slots = CollectiveSlots(self.config.max_collectives)
 
     @_status
     def ListDevices(self, request, context):
@@ -194,11 +200,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                     raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
                 check_destinations(dests, "destinations", self.engine.label)
         if group is None:
-            result = self.engine.broadcast(array, source or 0, dests, deadline)
+            result = self._timed("Broadcast", array.nbytes,
+                                 lambda: self.engine.broadcast(array, source or 0, dests, deadline))
         else:
             share = BroadcastShare(request.source_process, array, source, dests)
-            result = self._meet(group, share, deadline, context,
-                                lambda shares: broadcast_together(self.engine, shares, group.label, deadline))
+            result = self._meet(group, share, deadline, context, lambda shares: self._timed(
+                "Broadcast", _broadcast_bytes(shares),
+                lambda: broadcast_together(self.engine, shares, group.label, deadline)))
         encoding = codec.encoding_of(request.tensor) if request.HasField("tensor") else codec.RAW
         return pb.BroadcastResponse(result=self._encode(result, encoding))
 
@@ -238,19 +246,70 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
             ]
             resolved = self.engine.validate(op, pairs, options["num_packs"], dest_fields)
+        replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
         if group is None:
-            return self.engine.batch_reduce(op, pairs, dest_fields=dest_fields, **options)
+            return self._timed(kind, replica_bytes,
+                               lambda: self.engine.batch_reduce(op, pairs, dest_fields=dest_fields, **options))
         share = Contribution(kind, op, options["num_packs"], options["algorithm"], options["reduce_to"],
                              tuple(resolved))
         deadline = options["deadline"]
-        return self._meet(group, share, deadline, context,
-                          lambda shares: reduce_together(self.engine, shares, group.label, deadline))
+        return self._meet(group, share, deadline, context, lambda shares: self._timed(
+            kind, replica_bytes, lambda: reduce_together(self.engine, shares, group.label, deadline)))
 
     def _meet(self, group: _Group, share, deadline: Deadline, context, compute, remember_failure=True):
-        return self.rendezvous.run(
-            group.key, group.label, group.num_processes, group.process_id, share,
-            max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
-        )
+        try:
+            self.collective_slots.enter(group.key, group.label)
+        except LimitExceeded as e:
+            self.stats.rejected(e.limit)
+            if remember_failure:  # the others fail at once instead of waiting for this process
+                self._fail_for_others(group, e)
+            raise
+        try:
+            return self.rendezvous.run(
+                group.key, group.label, group.num_processes, group.process_id, share,
+                max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
+            )
+        finally:
+            self.collective_slots.leave(group.key)
+
+    @contextlib.contextmanager
+    def _admitted(self, request, method: str):
+        """Holds the request's bytes in the in-flight budget while it is served.
+
+        Raises:
+            LimitExceeded: over --max-request-bytes (when no interceptor checked it
+                already) or --max-inflight-bytes; a collective it belonged to fails
+                for every process.
+        """
+        size = REQUEST_BYTES.get()
+        if size is None:  # no interceptor measured it (the service used on its own)
+            size = request.ByteSize()
+        try:
+            self.stats.limits.check_request(size, _METHOD + method)
+            self.stats.inflight.reserve(size)
+        except LimitExceeded as e:
+            self.stats.rejected(e.limit)
+            if "collective" in request.DESCRIPTOR.fields_by_name:
+                with contextlib.suppress(ServiceError):
+                    group = self._group(request)
+                    if group is not None:
+                        self._fail_for_others(group, e)
+            raise
+        try:
+            yield
+        finally:
+            self.stats.inflight.release(size)
+
+    def _fail_for_others(self, group: _Group, error: ServiceError) -> None:
+        self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(
+            f"{group.label} was aborted: process {group.process_id}'s request was rejected: {error}"))
+
+    def _timed(self, kind: str, replica_bytes: int, reduce):
+        """Runs ``reduce()`` and records its seconds and algbw under method ``kind``."""
+        start = time.perf_counter()
+        result = reduce()
+        self.stats.observe_reduction(_METHOD + kind, time.perf_counter() - start, replica_bytes)
+        return result
 
     @contextlib.contextmanager
     def _failing(self, group: _Group | None):
@@ -363,6 +422,15 @@ def _timeout_seconds(timeout) -> float:
     if seconds > MAX_TIMEOUT_SECONDS:
         raise InvalidArgument(f"timeout: must be at most {MAX_TIMEOUT_SECONDS}s (one day); got {label}")
     return seconds
+
+
+def _replica_bytes(value: Value) -> int:
+    """Bytes of one replica of a value (what algbw divides by the seconds)."""
+    return int(value.arrays[0].nbytes) if value.arrays else 0
+
+
+def _broadcast_bytes(shares) -> int:
+    return next((int(s.array.nbytes) for s in shares.values() if s.array is not None), 0)
 
 
 def _encoding(values) -> str:
