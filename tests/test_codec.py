@@ -355,8 +355,18 @@ ERRORS = [
     ),
     pytest.param(
         tensor(pb.DATA_TYPE_FLOAT32, (1 << 62,), raw_data=b""),
-        f"{FIELD}.shape: dimension too large; got [{1 << 62}]",
+        f"{FIELD}.shape: too large; got [{1 << 62}]",
         id="huge-dim",
+    ),
+    pytest.param(
+        tensor(pb.DATA_TYPE_FLOAT32, (1 << 61, 0), raw_data=b""),
+        f"{FIELD}.shape: numpy cannot make an array of shape [{1 << 61}, 0]",
+        id="empty-but-unmakeable",
+    ),
+    pytest.param(
+        tensor(pb.DATA_TYPE_FLOAT32, (1,) * 33, raw_data=b"abcd"),
+        f"{FIELD}.shape: at most 32 dimensions; got 33",
+        id="too-many-dims",
     ),
 ]
 

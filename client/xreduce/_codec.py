@@ -38,6 +38,8 @@ SUPPORTED_DTYPES: tuple[str, ...] = tuple(dt.name for dt in _BY_ENUM.values())
 
 RAW = "raw"
 TYPED = "typed"
+MAX_DIMS = 32
+"""The most dimensions a tensor may have (numpy allows 64)."""
 
 
 class CodecError(ValueError):
@@ -148,8 +150,10 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
     if any(d < 0 for d in shape):
         raise CodecError(f"{field}.shape: dimensions must be >= 0; got {list(shape)}")
     count = math.prod(shape)
-    if any(d >= 1 << 62 for d in shape):
-        raise CodecError(f"{field}.shape: dimension too large; got {list(shape)}")
+    if len(shape) > MAX_DIMS:
+        raise CodecError(f"{field}.shape: at most {MAX_DIMS} dimensions; got {len(shape)}")
+    if any(d >= 1 << 62 for d in shape) or count >= 1 << 62:
+        raise CodecError(f"{field}.shape: too large; got {list(shape)}")
     label = f"{dtype.name}{list(shape)}"
     present = [
         name
@@ -164,8 +168,16 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
             raise CodecError(
                 f"{field}.raw_data: {len(tensor.raw_data)} bytes for {label}, expected {want}"
             )
-        return np.frombuffer(tensor.raw_data, dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
+        flat = np.frombuffer(tensor.raw_data, dtype.newbyteorder("<")).astype(dtype, copy=False)
+        return _reshape(flat, shape, field)
     return _decode_typed(tensor, present[0], dtype, shape, field, label)
+
+
+def _reshape(flat: np.ndarray, shape: tuple[int, ...], field: str) -> np.ndarray:
+    try:
+        return flat.reshape(shape)
+    except ValueError as e:  # e.g. an empty shape whose other dimensions overflow numpy's size type
+        raise CodecError(f"{field}.shape: numpy cannot make an array of shape {list(shape)} ({e})") from None
 
 
 def _decode_typed(tensor, name, dtype, shape, field, label) -> np.ndarray:
@@ -184,7 +196,7 @@ def _decode_typed(tensor, name, dtype, shape, field, label) -> np.ndarray:
         pairs = _narrow(values, part, field, name).reshape(-1, 2)
         out = np.empty(count, dtype)
         out.real, out.imag = pairs[:, 0], pairs[:, 1]
-        return out.reshape(shape)
+        return _reshape(out, shape, field)
     if kind in "iu":
         info = np.iinfo(dtype)
         src = np.asarray(values, np.int64 if kind == "i" else np.uint64)
@@ -194,8 +206,8 @@ def _decode_typed(tensor, name, dtype, shape, field, label) -> np.ndarray:
                 f"{field}.{name}: value {int(bad[0])} is out of range for {dtype.name} "
                 f"[{info.min}, {info.max}]"
             )
-        return src.astype(dtype).reshape(shape)
-    return _narrow(values, dtype, field, name).reshape(shape)
+        return _reshape(src.astype(dtype), shape, field)
+    return _reshape(_narrow(values, dtype, field, name), shape, field)
 
 
 def _narrow(values, dtype: np.dtype, field: str, name: str) -> np.ndarray:

@@ -21,6 +21,27 @@ from typing import Any
 from xreduced.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, ServiceError
 
 
+def missing_ids(num_processes: int, arrived) -> list[int]:
+    """The ids in ``[0, num_processes)`` not in ``arrived``: at most 11 of them, enough to name.
+
+    Example:
+        >>> missing_ids(5, {0, 3})
+        [1, 2, 4]
+    """
+    out = []
+    for pid in range(num_processes):
+        if pid not in arrived:
+            out.append(pid)
+            if len(out) > 10:
+                break
+    return out
+
+
+def _ids(ids: list[int]) -> str:
+    """``[1, 2]``, or the first ten and how many more."""
+    return str(ids) if len(ids) <= 10 else f"{ids[:10]} and more"
+
+
 @dataclasses.dataclass
 class _Collective:
     label: str
@@ -158,10 +179,10 @@ class Rendezvous:
         if not c.done.wait(timeout):
             with self._lock:
                 if not c.done.is_set() and not c.complete:
-                    missing = sorted(set(range(num_processes)) - set(c.arrived))
                     self._fail(key, c, DeadlineExceeded(
-                        f"{label} timed out after {timeout:.3g}s waiting for process(es) {missing}; "
-                        f"arrived: {sorted(c.arrived)}"), remember_failure)
+                        f"{label} timed out after {timeout:.3g}s waiting for process(es) "
+                        f"{_ids(missing_ids(num_processes, c.arrived))}; arrived: {_ids(sorted(c.arrived))}"),
+                        remember_failure)
             # Everyone arrived and the last arrival is computing: its deadline bounds the work.
             if c.complete and not c.done.wait(max(timeout, 1.0)):
                 raise DeadlineExceeded(f"{label}: every process arrived but the reduction did not finish "

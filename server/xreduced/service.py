@@ -67,9 +67,9 @@ def _status(handler):
             with self._admitted(request, handler.__name__):
                 return handler(self, request, context)
         except ServiceError as e:
-            context.abort(e.code, str(e))
+            context.abort(e.code, _short(str(e)))
         except codec.CodecError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _short(str(e)))
         except MemoryError:
             log.exception("event=out_of_memory method=%s", handler.__name__)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the daemon ran out of memory for this request")
@@ -78,6 +78,30 @@ def _status(handler):
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {handler.__name__}; see the daemon's log")
 
     return wrapper
+
+
+MAX_PROCESSES = 65536
+"""The most processes a collective may have."""
+
+MAX_MESSAGE_CHARS = 2000
+"""Error messages are cut to this: a client drops metadata over 8 KiB, and with it the real error."""
+
+
+def _short(message: str) -> str:
+    """The message in ASCII (non-ASCII escaped: gRPC sends it percent-encoded, up to 6 bytes a
+    character), cut to MAX_MESSAGE_CHARS; the field name comes first, so it survives.
+
+    Example:
+        >>> print(_short("device 'é'"))
+        device '\\xe9'
+
+        >>> len(_short("é" * 10000)) <= MAX_MESSAGE_CHARS
+        True
+    """
+    message = message.encode("ascii", "backslashreplace").decode("ascii")
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 20] + "... (message cut)"
 
 
 def _enum_label(enum_type, value: int) -> str:
@@ -332,8 +356,10 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     def _check_group(self, spec: pb.CollectiveSpec) -> _Group:
         if not spec.group:
             raise InvalidArgument("collective.group: a group name is required; got ''")
-        if spec.num_processes < 1:
-            raise InvalidArgument(f"collective.num_processes: must be >= 1; got {spec.num_processes}")
+        if not 1 <= spec.num_processes <= MAX_PROCESSES:
+            raise InvalidArgument(
+                f"collective.num_processes: must be in [1, {MAX_PROCESSES}]; got {spec.num_processes}"
+            )
         if not 0 <= spec.process_id < spec.num_processes:
             raise InvalidArgument(
                 f"collective.process_id: must be in [0, num_processes); got process_id={spec.process_id}, "
