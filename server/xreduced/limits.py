@@ -10,9 +10,9 @@ What each limit counts:
   as, checked before the request is even parsed.
 * ``--max-inflight-bytes``: the sum of the serialized sizes of the requests
   being served now (a collective's participant counts while it waits for the
-  others). A call's working memory is a small multiple of its request (the
-  parsed request, the decoded arrays, the results and the reply take about one
-  request's size each), so this bounds the daemon's memory to a few times the limit.
+  others). It does not bound the daemon's memory yet: a call's working set is
+  about 12x its request and is counted only while its handler runs, and glibc
+  keeps freed memory in per-thread arenas (README, "Faults and load").
 * ``--max-collectives``: multi-process collectives (and joins) that have a
   participant in the daemon now. A call that would open one more is refused;
   a call joining one already open is always let in (refusing it would only
