@@ -73,28 +73,44 @@ ROUTE_HIERARCHICAL_COPY: Route
 ROUTE_REDUCTION_TO_ONE_DEVICE: Route
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "raw_data", "float_values", "int_values", "uint_values")
+    __slots__ = ("dtype", "shape", "raw_data", "float_values", "int_values", "uint_values", "region", "streamed")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     RAW_DATA_FIELD_NUMBER: _ClassVar[int]
     FLOAT_VALUES_FIELD_NUMBER: _ClassVar[int]
     INT_VALUES_FIELD_NUMBER: _ClassVar[int]
     UINT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     dtype: DataType
     shape: _containers.RepeatedScalarFieldContainer[int]
     raw_data: bytes
     float_values: _containers.RepeatedScalarFieldContainer[float]
     int_values: _containers.RepeatedScalarFieldContainer[int]
     uint_values: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., float_values: _Optional[_Iterable[float]] = ..., int_values: _Optional[_Iterable[int]] = ..., uint_values: _Optional[_Iterable[int]] = ...) -> None: ...
+    region: RegionSlice
+    streamed: bool
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., raw_data: _Optional[bytes] = ..., float_values: _Optional[_Iterable[float]] = ..., int_values: _Optional[_Iterable[int]] = ..., uint_values: _Optional[_Iterable[int]] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ..., streamed: _Optional[bool] = ...) -> None: ...
+
+class RegionSlice(_message.Message):
+    __slots__ = ("name", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class Component(_message.Message):
-    __slots__ = ("device", "tensor")
+    __slots__ = ("device", "tensor", "copy_of")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    COPY_OF_FIELD_NUMBER: _ClassVar[int]
     device: str
     tensor: Tensor
-    def __init__(self, device: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    copy_of: int
+    def __init__(self, device: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., copy_of: _Optional[int] = ...) -> None: ...
 
 class DistributedValue(_message.Message):
     __slots__ = ("components",)
@@ -153,7 +169,7 @@ class ListDevicesResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_access: _Optional[_Iterable[_Union[PeerRow, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective")
+    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +178,7 @@ class ReduceRequest(_message.Message):
     REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     value: DistributedValue
     destinations: _containers.RepeatedScalarFieldContainer[str]
@@ -170,7 +187,8 @@ class ReduceRequest(_message.Message):
     reduce_to_device: str
     timeout: _duration_pb2.Duration
     collective: CollectiveSpec
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ...) -> None: ...
+    output: RegionSlice
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
     __slots__ = ("result", "route")
@@ -189,7 +207,7 @@ class ReducePair(_message.Message):
     def __init__(self, value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective")
+    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     NUM_PACKS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +215,7 @@ class BatchReduceRequest(_message.Message):
     REDUCE_TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     pairs: _containers.RepeatedCompositeFieldContainer[ReducePair]
     num_packs: int
@@ -204,7 +223,8 @@ class BatchReduceRequest(_message.Message):
     reduce_to_device: str
     timeout: _duration_pb2.Duration
     collective: CollectiveSpec
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ...) -> None: ...
+    output: RegionSlice
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class ReduceResult(_message.Message):
     __slots__ = ("result", "route")
@@ -221,20 +241,22 @@ class BatchReduceResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ReduceResult, _Mapping]]] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
-    __slots__ = ("tensor", "source_device", "destinations", "timeout", "collective", "source_process")
+    __slots__ = ("tensor", "source_device", "destinations", "timeout", "collective", "source_process", "output")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_PROCESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
     source_device: str
     destinations: _containers.RepeatedScalarFieldContainer[str]
     timeout: _duration_pb2.Duration
     collective: CollectiveSpec
     source_process: int
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., source_device: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., source_process: _Optional[int] = ...) -> None: ...
+    output: RegionSlice
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., source_device: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., source_process: _Optional[int] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class BroadcastResponse(_message.Message):
     __slots__ = ("result",)
@@ -338,3 +360,115 @@ class GetStatusResponse(_message.Message):
     mutual_tls: bool
     token_auth: bool
     def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("probe_shm_key", "probe_nonce")
+    PROBE_SHM_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    probe_shm_key: str
+    probe_nonce: bytes
+    def __init__(self, probe_shm_key: _Optional[str] = ..., probe_nonce: _Optional[bytes] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "shared_memory", "shared_memory_error", "cuda_ipc")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shared_memory: bool
+    shared_memory_error: str
+    cuda_ipc: bool
+    def __init__(self, session_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., shared_memory_error: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("mem_handle", "device_id", "event_handle")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    device_id: int
+    event_handle: bytes
+    def __init__(self, mem_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "shm_key", "cuda_ipc", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_KEY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shm_key: str
+    cuda_ipc: CudaIpcHandle
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., shm_key: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("name", "kind", "shm_key", "offset", "byte_size", "in_use")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    shm_key: str
+    offset: int
+    byte_size: int
+    in_use: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., shm_key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
+
+class ListRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("pair", "component", "offset", "data")
+    PAIR_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    pair: int
+    component: int
+    offset: int
+    data: bytes
+    def __init__(self, pair: _Optional[int] = ..., component: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReduceStreamRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: BatchReduceRequest
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[BatchReduceRequest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ReduceStreamResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: BatchReduceResponse
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[BatchReduceResponse, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...

@@ -66,6 +66,31 @@ class CrossDeviceOpsStub:
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_stream(
+                '/xreduce.v1.CrossDeviceOps/OpenSession',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/RegisterRegion',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionResponse.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/UnregisterRegion',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
+        self.ListRegions = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/ListRegions',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.ListRegionsRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ListRegionsResponse.FromString,
+                _registered_method=True)
+        self.ReduceStream = channel.stream_stream(
+                '/xreduce.v1.CrossDeviceOps/ReduceStream',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamResponse.FromString,
+                _registered_method=True)
 
 
 class CrossDeviceOpsServicer:
@@ -119,6 +144,50 @@ class CrossDeviceOpsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """OpenSession starts a client session: the first message carries the
+        session id (send it as the `x-xreduce-session` metadata of later calls)
+        and whether the daemon can read the client's shared memory. The stream
+        stays open until the client closes it; then every region the session
+        registered is released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterRegion(self, request, context):
+        """RegisterRegion maps a POSIX shared-memory object (or a CUDA IPC memory
+        handle) of the caller's into the daemon under a name of the session's;
+        tensors and outputs then name the region instead of carrying bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """UnregisterRegion releases one region of the session (all with an empty
+        name); a call using it finishes first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegions(self, request, context):
+        """ListRegions returns the session's regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReduceStream(self, request_iterator, context):
+        """ReduceStream is BatchReduce for payloads of any size: the request and
+        its tensor data arrive in chunks, and the results leave in chunks, so no
+        message exceeds the limit and reducing overlaps receiving and replying.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CrossDeviceOpsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +220,31 @@ def add_CrossDeviceOpsServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.FromString,
                     response_serializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.OpenSessionRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionResponse.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'ListRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegions,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ListRegionsRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.ListRegionsResponse.SerializeToString,
+            ),
+            'ReduceStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReduceStream,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +411,141 @@ class CrossDeviceOps:
             '/xreduce.v1.CrossDeviceOps/GetStatus',
             xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.SerializeToString,
             xreduce_dot_v1_dot_xreduce__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/OpenSession',
+            xreduce_dot_v1_dot_xreduce__pb2.OpenSessionRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/RegisterRegion',
+            xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.RegisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/UnregisterRegion',
+            xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/ListRegions',
+            xreduce_dot_v1_dot_xreduce__pb2.ListRegionsRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.ListRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReduceStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/xreduce.v1.CrossDeviceOps/ReduceStream',
+            xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.ReduceStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
