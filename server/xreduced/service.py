@@ -19,7 +19,7 @@ from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 
-from xreduced import planner
+from xreduced import planner, streaming
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, label, reduce_together
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
@@ -259,6 +259,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             global_devices=[n for pid in sorted(names) for n in names[pid]],
             processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
         )
+
+    def ReduceStream(self, request_iterator, context):
+        return streaming.reduce_stream(self, request_iterator, context)
 
     def _reduce(self, kind, request, context, raw_pairs, value_fields, dest_fields) -> list[Result]:
         group = self._group(request)
