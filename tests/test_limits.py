@@ -2,13 +2,16 @@
 RESOURCE_EXHAUSTED and the figures in the message, never blocks, and the
 daemon goes on serving; GetStatus shows the limits and what they count.
 
-The concurrent case is made deterministic with a multi-process collective:
-its first participant waits in the daemon holding its request's bytes (and a
-collective slot) until the test cancels it.
+The in-flight budget counts each call's estimated working set
+(``xreduced.limits.working_set``: twice the request plus four times the result
+bytes of the reply). The concurrent case is made deterministic with a
+multi-process collective: its first participant waits in the daemon holding
+its working set (and a collective slot) until the test cancels it.
 """
 
 from __future__ import annotations
 
+import platform
 import re
 import time
 import urllib.request
@@ -22,11 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduced.limits import MALLOC_ARENAS, MALLOC_MMAP_THRESHOLD, working_set
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 REDUCE = "/xreduce.v1.CrossDeviceOps/Reduce"
 MAX_REQUEST = 65536
-MAX_INFLIGHT = 12000
+MAX_INFLIGHT = 100_000
 MAX_COLLECTIVES = 1
 
 
@@ -60,6 +64,30 @@ def share(name: str, process_id: int, n: int = 4, timeout: float = 30) -> pb.Red
     """Process ``process_id``'s share (on CPU:``process_id``) of collective ``name`` of 2 processes."""
     spec = pb.CollectiveSpec(group="limits", num_processes=2, process_id=process_id, name=name)
     return reduce_request(n, f"CPU:{process_id}", collective=spec, timeout=Duration(seconds=timeout))
+
+
+def charge(request) -> int:
+    """What the daemon holds in the in-flight budget for ``request``."""
+    return working_set(request, request.ByteSize())
+
+
+def refusal(request, held: int = 0) -> str:
+    """The in-flight limit's message for ``request`` with ``held`` bytes in flight."""
+    size, n = request.ByteSize(), charge(request)
+    return (f"request of {size} bytes (working set {n} bytes) would bring in-flight bytes to {held + n}, over "
+            f"--max-inflight-bytes {MAX_INFLIGHT} ({held} in flight now)")
+
+
+def test_the_working_set_counts_request_and_reply():
+    request = reduce_request(1000)  # two float32[1000]: 8 kB of request, 8 kB of results in the reply
+    assert charge(request) == 2 * request.ByteSize() + 4 * 8000
+    wider = reduce_request(1000, destinations=["CPU:0", "CPU:1", "CPU:2"])  # three copies of the result
+    assert charge(wider) == 2 * wider.ByteSize() + 4 * 12000
+    mean = pb.ReduceRequest(reduce_op=pb.REDUCE_OP_MEAN, value=pb.DistributedValue(components=[
+        pb.Component(device="CPU:0", tensor=codec.encode(np.ones(1000, np.int16)))]))
+    assert charge(mean) == 2 * mean.ByteSize() + 4 * 4000  # MEAN of int16 is float32
+    to_region = reduce_request(1000, output=pb.RegionSlice(name="out", byte_size=8000))
+    assert charge(to_region) == 2 * to_region.ByteSize()
 
 
 def rejected(call, request) -> str:
@@ -130,32 +158,28 @@ def test_a_request_over_max_request_bytes_is_refused_with_its_size(stub, daemon)
 
 
 def test_a_request_over_max_inflight_bytes_alone_is_refused_with_the_figures(stub, daemon):
-    request = reduce_request(2000)  # about 16 kB: under --max-request-bytes, over --max-inflight-bytes
-    size = request.ByteSize()
-    assert MAX_INFLIGHT < size <= MAX_REQUEST
+    request = reduce_request(2500)  # about 20 kB: under --max-request-bytes; its working set is over the budget
+    assert request.ByteSize() <= MAX_REQUEST and charge(request) > MAX_INFLIGHT
     details = rejected(stub.Reduce, request)
-    assert details == (f"request of {size} bytes would bring in-flight bytes to {size}, over "
-                       f"--max-inflight-bytes {MAX_INFLIGHT} (0 in flight now)")
+    assert details == refusal(request)
     assert_serves(stub)
     assert status(stub).inflight_bytes == 0
     assert rejections(daemon).get("max_inflight_bytes", 0) >= 1
 
 
 def test_while_a_collective_waits_inflight_bytes_and_collectives_are_limited(stub, daemon):
-    hold = share("hold", 0, n=2000)  # about 8 kB, waits for process 1 until cancelled
-    held = hold.ByteSize()
+    hold = share("hold", 0, n=2000)  # about 8 kB (48 kB of working set), waits for process 1 until cancelled
+    held = charge(hold)
     waiting = stub.Reduce.future(hold, timeout=30)
     try:
         s = wait_status(stub, lambda s: s.collectives_waiting == 1, "the collective waiting")
         assert s.inflight_bytes == held
 
         # In-flight bytes: a second request that fits alone is refused while the first is held.
-        request = reduce_request(600)  # about 4.9 kB: fits alone, not on top of the waiting share
-        size = request.ByteSize()
-        assert size <= MAX_INFLIGHT < held + size
+        request = reduce_request(1200)  # about 10 kB (58 kB): fits alone, not on top of the waiting share
+        assert charge(request) <= MAX_INFLIGHT < held + charge(request)
         details = rejected(stub.Reduce, request)
-        assert details == (f"request of {size} bytes would bring in-flight bytes to {held + size}, over "
-                           f"--max-inflight-bytes {MAX_INFLIGHT} ({held} in flight now)")
+        assert details == refusal(request, held)
 
         # Collectives: a second collective is refused; the daemon holds one already.
         details = rejected(stub.Reduce, share("second", 0))
@@ -164,10 +188,10 @@ def test_while_a_collective_waits_inflight_bytes_and_collectives_are_limited(stu
         assert rejections(daemon).get("max_collectives", 0) >= 1
 
         # A collective's share over the in-flight budget is refused the same way.
-        big = share("big", 0, n=1200)  # about 4.8 kB: fits alone, not on top of the waiting share
+        big = share("big", 0, n=2400)  # about 9.6 kB (58 kB): fits alone, not on top of the waiting share
+        assert charge(big) <= MAX_INFLIGHT < held + charge(big)
         details = rejected(stub.Reduce, big)
-        assert details.startswith(f"request of {big.ByteSize()} bytes would bring in-flight bytes to "
-                                  f"{held + big.ByteSize()}, over --max-inflight-bytes {MAX_INFLIGHT}")
+        assert details == refusal(big, held)
 
         # Small calls still pass, and the limits never block: each refusal came at once.
         assert_serves(stub)
@@ -201,3 +225,16 @@ def test_joining_an_open_collective_is_never_refused(stub):
     s = status(stub)
     assert (s.inflight_bytes, s.collectives_waiting) == (0, 0)
     assert_serves(stub)
+
+
+def test_the_daemon_tunes_malloc_before_it_serves():
+    """Without it glibc keeps one arena per serving thread, and freed arrays stay in them (limits.py)."""
+    d = DaemonProcess(["--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "1",
+                       "--log-level", "DEBUG"])
+    try:
+        glibc = platform.libc_ver()[0] == "glibc"
+        line = f"event=malloc tuned={glibc} arenas={MALLOC_ARENAS} mmap_threshold={MALLOC_MMAP_THRESHOLD}"
+        log = d.log()
+        assert line in log and log.index(line) < log.index("event=serving"), log
+    finally:
+        d.terminate()

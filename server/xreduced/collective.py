@@ -18,7 +18,7 @@ import numpy as np
 
 from xreduced.engine import Engine, Result, Value
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline
+from xreduced.executor import Deadline, write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Contribution:
     reduce_to: int | None
     pairs: tuple[tuple[Value, tuple[int, ...]], ...]
     """(value, destinations); empty destinations already replaced by the value's devices."""
+    out: tuple[Mapping[int, np.ndarray] | None, ...] | None = None
+    """Where this process wants its results: one entry per pair, None or destination device -> a
+    writable array (see :meth:`Engine.batch_reduce`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class BroadcastShare:
     array: np.ndarray | None
     source: int | None
     destinations: tuple[int, ...]
+    out: Mapping[int, np.ndarray] | None = None
+    """Where this process wants its results: destination device -> a writable array of the tensor's
+    dtype and shape."""
 
 
 def label(group: str, sequence: int, name: str) -> str:
@@ -62,6 +68,10 @@ def _shape(arr: np.ndarray) -> str:
 def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: str,
                     deadline: Deadline) -> dict[int, list[Result]]:
     """Checks the processes agree, reduces once, and splits the results.
+
+    Each process's results go into its own ``out`` arrays (the reduction writes
+    straight into them; a destination two processes both give arrays for is
+    copied into the second).
 
     Raises:
         InvalidArgument: naming the processes and what differs, e.g.
@@ -84,6 +94,10 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
             raise InvalidArgument(
                 f"process {pid} sent {len(c.pairs)} values but process {ref_pid} sent {len(ref.pairs)} for {what}"
             )
+        if c.out is not None and len(c.out) != len(c.pairs):
+            raise InvalidArgument(f"process {pid}'s out has {len(c.out)} entries for {len(c.pairs)} values of {what}")
+        for t, ((_, dests), mine) in enumerate(zip(c.pairs, c.out or ())):
+            _check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
         for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
             mine, theirs = value.arrays[0], ref_value.arrays[0]
             if mine.dtype != theirs.dtype or mine.shape != theirs.shape:
@@ -91,13 +105,17 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
                     f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
                     f"for tensor {t} of {what}"
                 )
-    joined = []
+    joined, outs = [], []
     for t in range(len(ref.pairs)):
         owner: dict[int, int] = {}
         arrays: dict[int, np.ndarray] = {}  # insertion order is the global order
         dests: dict[int, None] = {}
+        out: dict[int, np.ndarray] = {}
         for pid in sorted(shares):
             value, pair_dests = shares[pid].pairs[t]
+            mine = shares[pid].out[t] if shares[pid].out is not None else None
+            for d, target in (mine or {}).items():
+                out.setdefault(d, target)
             for d, arr in zip(value.devices, value.arrays):
                 if d in owner:
                     raise InvalidArgument(
@@ -108,16 +126,23 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
                 arrays[d] = arr
             dests.update(dict.fromkeys(pair_dests))
         joined.append((Value(tuple(arrays), tuple(arrays.values()), f"tensor {t} of {what}"), tuple(dests)))
+        outs.append(out or None)
     results = engine.batch_reduce(
         ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
         deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
+        out=outs if any(outs) else None,
     )
-    return {pid: [_share(r, dests) for r, (_, dests) in zip(results, c.pairs)] for pid, c in shares.items()}
+    return {
+        pid: [_share(engine, r, dests, None if c.out is None else c.out[t])
+              for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
+        for pid, c in shares.items()
+    }
 
 
 def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
                        deadline: Deadline) -> dict[int, Result]:
-    """Broadcasts the source process's tensor to every process's destinations."""
+    """Broadcasts the source process's tensor to every process's destinations,
+    each process's into its own ``out`` arrays."""
     ref_pid = min(shares)
     source_pid = shares[ref_pid].source_process
     for pid, share in sorted(shares.items()):
@@ -131,15 +156,37 @@ def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], wha
     source = shares[source_pid]
     if source.array is None:
         raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
+    out: dict[int, np.ndarray] = {}
+    for pid, share in sorted(shares.items()):
+        _check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
+        for d, target in (share.out or {}).items():
+            out.setdefault(d, target)
     dests = sorted({d for share in shares.values() for d in share.destinations})
     origin = source.source if source.source is not None else source.destinations[0]
-    result = engine.broadcast(source.array, origin, dests, deadline)
-    return {pid: _share(result, share.destinations) for pid, share in shares.items()}
+    result = engine.broadcast(source.array, origin, dests, deadline, out=out or None)
+    return {pid: _share(engine, result, share.destinations, share.out) for pid, share in shares.items()}
 
 
-def _share(result: Result, destinations: tuple[int, ...]) -> Result:
+def _check_out_devices(engine: Engine, out: Mapping[int, np.ndarray] | None, dests: tuple[int, ...],
+                       what: str) -> None:
+    for d in out or {}:
+        if d not in dests:
+            raise InvalidArgument(f"{what}: {engine.label(d)} is not one of its destinations "
+                                  f"{[engine.label(x) for x in dests]}")
+
+
+def _share(engine: Engine, result: Result, destinations: tuple[int, ...],
+           out: Mapping[int, np.ndarray] | None) -> Result:
+    """One process's part of ``result``, in its own ``out`` arrays where it gave some."""
     where = dict(zip(result.devices, result.arrays))
-    return Result(destinations, tuple(where[d] for d in destinations), result.route)
+    arrays = []
+    for d in destinations:
+        array = where[d]
+        if out is not None and d in out and out[d] is not array:
+            write(engine.backend, out[d], array)  # another process's array got the reduction's write
+            array = out[d]
+        arrays.append(array)
+    return Result(destinations, tuple(arrays), result.route)
 
 
 def assign_devices(requested: Mapping[int, tuple[int, ...]], num_devices: int, labels, what: str

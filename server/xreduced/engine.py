@@ -9,14 +9,14 @@ ReductionToOneDevice with the project's fixes (DESIGN.md §3).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from xreduced import planner
-from xreduced.backends import Backend
+from xreduced.backends import Backend, mean_dtype
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline, execute
+from xreduced.executor import Deadline, check_out, execute, write
 
 SUM = "SUM"
 MEAN = "MEAN"
@@ -86,6 +86,18 @@ def _label(arr: np.ndarray) -> str:
     return f"{arr.dtype.name}{list(arr.shape)}"
 
 
+def result_dtype(op: str, dtype: np.dtype, route: str) -> np.dtype:
+    """The dtype of a reduction's result: MEAN promotes integers, except on the
+    identity route, which returns the value as it is.
+
+    Example:
+        >>> i32 = np.dtype(np.int32)
+        >>> result_dtype(MEAN, i32, planner.HIERARCHICAL_COPY).name, result_dtype(MEAN, i32, planner.IDENTITY).name
+        ('float64', 'int32')
+    """
+    return mean_dtype(dtype) if op == MEAN and route != planner.IDENTITY else np.dtype(dtype)
+
+
 class Engine:
     """Reduces values on a backend's devices.
 
@@ -116,11 +128,24 @@ class Engine:
         algorithm: str = planner.HIERARCHICAL_COPY,
         reduce_to: int | None = None,
         deadline: Deadline | None = None,
+        out: Mapping[int, np.ndarray] | None = None,
     ) -> Result:
-        """Reduces one value; empty ``destinations`` mean the value's devices."""
+        """Reduces one value; empty ``destinations`` mean the value's devices.
+
+        ``out`` is :meth:`batch_reduce`'s for this one pair.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> e = Engine(NumpyBackend(3))
+            >>> mine = np.zeros(2, np.float32)
+            >>> r = e.reduce(SUM, Value((0, 1), (np.ones(2, np.float32),) * 2), [2], out={2: mine})
+            >>> r.arrays[0] is mine, mine
+            (True, array([2., 2.], dtype=float32))
+        """
         return self.batch_reduce(
             op, [(value, destinations)], num_packs=num_packs, algorithm=algorithm,
             reduce_to=reduce_to, deadline=deadline, dest_fields=["destinations"],
+            out=None if out is None else [out],
         )[0]
 
     def batch_reduce(
@@ -133,29 +158,123 @@ class Engine:
         reduce_to: int | None = None,
         deadline: Deadline | None = None,
         dest_fields: Sequence[str] | None = None,
+        out: Sequence[Mapping[int, np.ndarray] | None] | None = None,
     ) -> list[Result]:
         """Reduces every (value, destinations) pair.
 
         When every pair all-reduces over the first value's device set, values
         are reordered to the first value's device order and the whole batch is
         packed into ``num_packs`` packs; otherwise each pair is reduced alone.
+        :meth:`routes` says which route each pair takes.
+
+        Args:
+            out: one entry per pair: None, or destination device -> a writable
+                array of the result's dtype (:func:`result_dtype`: the value's,
+                or for MEAN of integers :func:`~xreduced.backends.mean_dtype`'s,
+                except on the identity route) and the value's shape. Results go
+                straight into those arrays, and the pair's :class:`Result`
+                holds them; destinations it leaves out get fresh arrays.
+
+        Raises:
+            InvalidArgument: see :meth:`validate` and :meth:`routes`; an ``out``
+                entry for a device that is not a destination, or an array of
+                the wrong dtype or shape, or read-only.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> e = Engine(NumpyBackend(2))
+            >>> v = Value((0, 1), (np.array([1, 2], np.int32), np.array([3, 4], np.int32)))
+            >>> mine = np.empty(2, np.float64)
+            >>> r = e.batch_reduce(MEAN, [(v, ())], out=[{1: mine}])[0]
+            >>> r.arrays[0], r.arrays[1] is mine, mine
+            (array([2., 3.]), True, array([2., 3.]))
         """
         resolved = self.validate(op, pairs, num_packs, dest_fields)
         if not resolved:
             return []
+        routes = self._routes(resolved, algorithm, num_packs)
+        outs = self._check_outs(op, resolved, routes, out)
         deadline = deadline or Deadline(None)
         mean = op == MEAN
-        if algorithm == planner.REDUCTION_TO_ONE_DEVICE:
-            return [self._to_one(v, d, mean, reduce_to, deadline) for v, d in resolved]
-        ref = resolved[0][0].devices
-        if all(set(d) == set(v.devices) == set(ref) for v, d in resolved):
-            return self._all_reduce([v for v, _ in resolved], mean, num_packs, deadline)
-        return [
-            self._all_reduce([v], mean, num_packs, deadline)[0]
-            if set(d) == set(v.devices)
-            else self._to_one(v, d, mean, None, deadline)
-            for v, d in resolved
-        ]
+        if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
+            return self._all_reduce([v for v, _ in resolved], outs, mean, num_packs, deadline)
+        if algorithm != planner.REDUCTION_TO_ONE_DEVICE:
+            reduce_to = None  # a pair that falls back to reduction to one device sums on its first destination
+        results = []
+        for (value, dests), o, route in zip(resolved, outs, routes):
+            if route == planner.IDENTITY:
+                results.append(self._identity(value, o))
+            elif route == planner.HIERARCHICAL_COPY:
+                results.append(self._all_reduce([value], [o], mean, num_packs, deadline)[0])
+            else:
+                results.append(self._to_one(value, dests, o, mean, reduce_to, deadline))
+        return results
+
+    def routes(
+        self,
+        op: str,
+        pairs: Sequence[tuple[Value, Sequence[int]]],
+        *,
+        algorithm: str = planner.HIERARCHICAL_COPY,
+        num_packs: int = 1,
+        dest_fields: Sequence[str] | None = None,
+    ) -> list[str]:
+        """The route :meth:`batch_reduce` takes for each pair, without reducing:
+        ``planner.IDENTITY``, ``planner.HIERARCHICAL_COPY`` or
+        ``planner.REDUCTION_TO_ONE_DEVICE``.
+
+        Raises:
+            InvalidArgument: what :meth:`batch_reduce` would raise before
+                reducing: see :meth:`validate`; a batch packed together
+                (``num_packs > 0``) whose values mix dtypes.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> e = Engine(NumpyBackend(4))
+            >>> x = np.ones(3, np.float32)
+            >>> e.routes(SUM, [(Value((0, 1), (x, x)), ()), (Value((2,), (x,)), ()), (Value((2,), (x,)), [3])])
+            ['hierarchical_copy', 'identity', 'reduction_to_one_device']
+        """
+        resolved = self.validate(op, pairs, num_packs, dest_fields)
+        return self._routes(resolved, algorithm, num_packs) if resolved else []
+
+    def _together(self, resolved: list[tuple[Value, tuple[int, ...]]]) -> bool:
+        """Does the whole batch all-reduce over one device set (so it is packed together)?"""
+        ref = set(resolved[0][0].devices)
+        return all(set(d) == set(v.devices) == ref for v, d in resolved)
+
+    def _routes(self, resolved, algorithm: str, num_packs: int) -> list[str]:
+        if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
+            if len(resolved[0][0].devices) > 1 and num_packs > 0:
+                _check_one_dtype([v for v, _ in resolved], num_packs)
+        routes = []
+        for value, dests in resolved:
+            same = set(dests) == set(value.devices)
+            if same and len(value.devices) == 1:
+                routes.append(planner.IDENTITY)
+            elif same and algorithm != planner.REDUCTION_TO_ONE_DEVICE:
+                routes.append(planner.HIERARCHICAL_COPY)
+            else:
+                routes.append(planner.REDUCTION_TO_ONE_DEVICE)
+        return routes
+
+    def _check_outs(self, op, resolved, routes, out) -> list[Mapping[int, np.ndarray] | None]:
+        if out is None:
+            return [None] * len(resolved)
+        if len(out) != len(resolved):
+            raise InvalidArgument(f"out: one entry per pair; got {len(out)} for {len(resolved)} pairs")
+        for i, ((value, dests), route, mine) in enumerate(zip(resolved, routes, out)):
+            if mine is None:
+                continue
+            first = value.arrays[0]
+            dtype = result_dtype(op, first.dtype, route)
+            for d, array in mine.items():
+                if d not in dests:
+                    raise InvalidArgument(
+                        f"out[{i}]: {self.label(d)} is not a destination of pairs[{i}]; its destinations are "
+                        f"{[self.label(x) for x in dests]}")
+                check_out(array, dtype, first.shape, f"out[{i}][{self.label(d)}]")
+        return list(out)
 
     def validate(
         self, op: str, pairs: Sequence[tuple[Value, Sequence[int]]], num_packs: int,
@@ -182,47 +301,80 @@ class Engine:
 
     def broadcast(
         self, array: np.ndarray, source: int, destinations: Sequence[int],
-        deadline: Deadline | None = None,
+        deadline: Deadline | None = None, out: Mapping[int, np.ndarray] | None = None,
     ) -> Result:
-        """Copies ``array`` from ``source`` to every destination."""
+        """Copies ``array`` from ``source`` to every destination.
+
+        Args:
+            out: destination device -> a writable array of ``array``'s dtype and
+                shape to copy into (the result holds it); others get fresh arrays.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> mine = np.zeros(2, np.int8)
+            >>> r = Engine(NumpyBackend(3)).broadcast(np.array([5, 6], np.int8), 0, [1, 2], out={2: mine})
+            >>> r.arrays[1] is mine, mine
+            (True, array([5, 6], dtype=int8))
+        """
         if not destinations:
             raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
         check_destinations(destinations, "destinations", self.label)
+        for d, target in (out or {}).items():
+            if d not in destinations:
+                raise InvalidArgument(f"out: {self.label(d)} is not a destination; the destinations are "
+                                      f"{[self.label(x) for x in destinations]}")
+            check_out(target, array.dtype, array.shape, f"out[{self.label(d)}]")
         plan = planner.broadcast(source, destinations, array.size, array.dtype.itemsize)
-        out = execute(plan, self.backend, [[array]], deadline=deadline)
-        return Result(tuple(destinations), tuple(out[d][0] for d in destinations), planner.IDENTITY)
+        results = execute(plan, self.backend, [[array]], deadline=deadline, out=_per_tensor([out]))
+        return Result(tuple(destinations), tuple(results[d][0] for d in destinations), planner.IDENTITY)
 
-    def _all_reduce(self, values: list[Value], mean: bool, num_packs: int, deadline: Deadline) -> list[Result]:
+    def _identity(self, value: Value, out: Mapping[int, np.ndarray] | None) -> Result:
+        """TF's shortcut: one replica onto its own device is returned as is, even for MEAN."""
+        (device,) = value.devices
+        if out is None or device not in out:
+            return Result(value.devices, value.arrays, planner.IDENTITY)
+        write(self.backend, out[device], value.arrays[0])
+        return Result(value.devices, (out[device],), planner.IDENTITY)
+
+    def _all_reduce(self, values: list[Value], outs: list, mean: bool, num_packs: int,
+                    deadline: Deadline) -> list[Result]:
         ref = values[0].devices
         if len(ref) == 1:
-            # TF's shortcut: one replica is returned as is, even for MEAN.
-            return [Result(ref, v.arrays, planner.IDENTITY) for v in values]
-        if num_packs > 0:
-            dtypes = {v.arrays[0].dtype for v in values}
-            if len(dtypes) > 1:
-                first = values[0]
-                odd = next(v for v in values if v.arrays[0].dtype != first.arrays[0].dtype)
-                raise InvalidArgument(
-                    f"num_packs={num_packs} packs the batch into one buffer, so every value must "
-                    f"share one dtype; got {first.field} {first.arrays[0].dtype.name} and "
-                    f"{odd.field} {odd.arrays[0].dtype.name} (num_packs=0 reduces mixed dtypes)"
-                )
+            return [self._identity(v, o) for v, o in zip(values, outs)]
         inputs = [[v.arrays[v.devices.index(d)] for v in values] for d in ref]
         templates = inputs[0]
         plan = planner.hierarchical_copy(
             ref, [a.size for a in templates], [a.dtype.itemsize for a in templates], num_packs
         )
-        out = execute(plan, self.backend, inputs, mean=mean, deadline=deadline)
+        results = execute(plan, self.backend, inputs, mean=mean, deadline=deadline, out=_per_tensor(outs))
         return [
-            Result(ref, tuple(out[d][t] for d in ref), planner.HIERARCHICAL_COPY)
+            Result(ref, tuple(results[d][t] for d in ref), planner.HIERARCHICAL_COPY)
             for t in range(len(values))
         ]
 
-    def _to_one(self, value: Value, dests: tuple[int, ...], mean: bool, reduce_to: int | None,
-                deadline: Deadline) -> Result:
-        if len(value.devices) == 1 and set(dests) == set(value.devices):
-            return Result(value.devices, value.arrays, planner.IDENTITY)
+    def _to_one(self, value: Value, dests: tuple[int, ...], out: Mapping[int, np.ndarray] | None, mean: bool,
+                reduce_to: int | None, deadline: Deadline) -> Result:
         a = value.arrays[0]
         plan = planner.reduction_to_one_device(value.devices, dests, [a.size], a.dtype.itemsize, reduce_to)
-        out = execute(plan, self.backend, [[x] for x in value.arrays], mean=mean, deadline=deadline)
-        return Result(dests, tuple(out[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
+        results = execute(plan, self.backend, [[x] for x in value.arrays], mean=mean, deadline=deadline,
+                          out=_per_tensor([out]))
+        return Result(dests, tuple(results[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
+
+
+def _check_one_dtype(values: list[Value], num_packs: int) -> None:
+    first = values[0]
+    odd = next((v for v in values if v.arrays[0].dtype != first.arrays[0].dtype), None)
+    if odd is not None:
+        raise InvalidArgument(
+            f"num_packs={num_packs} packs the batch into one buffer, so every value must "
+            f"share one dtype; got {first.field} {first.arrays[0].dtype.name} and "
+            f"{odd.field} {odd.arrays[0].dtype.name} (num_packs=0 reduces mixed dtypes)"
+        )
+
+
+def _per_tensor(outs: Sequence[Mapping[int, np.ndarray] | None]) -> dict[int, list[np.ndarray | None]] | None:
+    """Per-pair ``out`` mappings as the executor takes them: device -> one array (or None) per tensor."""
+    if all(o is None for o in outs):
+        return None
+    devices = {d for o in outs if o is not None for d in o}
+    return {d: [None if o is None else o.get(d) for o in outs] for d in devices}

@@ -1,4 +1,5 @@
-"""The daemon's limits: request size, in-flight bytes, collectives waiting.
+"""The daemon's limits: request size, in-flight bytes, collectives waiting; and
+how the daemon's memory stays within them.
 
 A call over a limit is refused at once with ``RESOURCE_EXHAUSTED`` and a
 message that names the figures and the flag; nothing blocks waiting for room,
@@ -8,29 +9,81 @@ What each limit counts:
 
 * ``--max-request-bytes``: the request's serialized size, the bytes it arrived
   as, checked before the request is even parsed.
-* ``--max-inflight-bytes``: the sum of the serialized sizes of the requests
-  being served now (a collective's participant counts while it waits for the
-  others). It does not bound the daemon's memory yet: a call's working set is
-  about 12x its request and is counted only while its handler runs, and glibc
-  keeps freed memory in per-thread arenas (README, "Faults and load").
+* ``--max-inflight-bytes``: the sum of the working sets of the calls being
+  served now, each estimated by :func:`working_set` from its request:
+  :data:`REQUEST_FACTOR` x its serialized size (the parsed message and the
+  decoded arrays) plus :data:`REPLY_FACTOR` x the result bytes its reply will
+  carry (the result arrays, the reply message, its serialized bytes). A call
+  holds its share from admission until its reply has been serialized and
+  handed to gRPC; a collective's participant holds it while it waits for the
+  others.
 * ``--max-collectives``: multi-process collectives (and joins) that have a
   participant in the daemon now. A call that would open one more is refused;
   a call joining one already open is always let in (refusing it would only
   make the others time out).
+
+The memory bound (:func:`memory_bound`): the daemon's peak RSS stays within
+
+    idle RSS + ``--max-inflight-bytes``
+    + TRANSFER_FACTOR x the bytes of the messages in transfer at once
+    + OVERHEAD_FACTOR x the largest message (request or reply)
+
+The in-flight budget counts a call from the moment its request is parsed; the
+bytes of a request that gRPC is still receiving (or that is being refused),
+and of a reply it is still sending, cannot be counted, and each costs about
+:data:`TRANSFER_FACTOR` times its size meanwhile (gRPC's buffer and its Python
+copy), one message per connected caller at most. What remains is the
+allocator's slack, :data:`OVERHEAD_FACTOR` largest messages, provided
+:func:`tune_malloc` has run (the ``xreduced`` command runs it): glibc then
+keeps at most :data:`MALLOC_ARENAS` arenas and maps every block of
+:data:`MALLOC_MMAP_THRESHOLD` bytes or more on its own, so freed arrays go
+back to the system instead of staying in one arena per thread. Measured with
+``bench/load.py`` (32 clients x 500 mixed calls, replicas of 4 B to 4 MiB,
+``--max-inflight-bytes`` 256 MiB): see README, "Faults and load".
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
+import functools
+import math
 import threading
 from collections.abc import Hashable, Iterator
 
 import grpc
+from xreduce import _codec as codec
+from xreduce.v1 import xreduce_pb2 as pb
 
+from xreduced.backends import mean_dtype
 from xreduced.config import Config
 from xreduced.errors import ServiceError
+
+REQUEST_FACTOR = 2
+"""Working-set bytes per request byte: the parsed message and the decoded arrays (the bytes received are
+freed once parsed)."""
+
+REPLY_FACTOR = 4
+"""Working-set bytes per result byte a reply carries: the result arrays, the reply message as the service
+builds it (each nesting level of a protobuf message built from parts copies them), the serialized reply.
+Measured (VmHWM growth of a fresh daemon for one call, after :func:`tune_malloc`): a Reduce of 8 x 4 MiB
+float32 (32 MiB in, 32 MiB out) +161 to +182 MiB, estimated 192 MiB; a Broadcast of 4 MiB to 8 devices
+(4 MiB in, 32 MiB out) +143 MiB, estimated 136 MiB."""
+
+TRANSFER_FACTOR = 2
+"""Uncounted bytes per byte of a message gRPC is receiving or sending: its own buffer and the Python copy."""
+
+OVERHEAD_FACTOR = 4
+"""The allocator's slack above what is counted, in largest messages (request or reply)."""
+
+MALLOC_ARENAS = 2
+"""glibc malloc arenas the daemon keeps at most (glibc's default is 8 per core, one per busy thread)."""
+
+MALLOC_MMAP_THRESHOLD = 1 << 20
+"""Blocks from this size up are mapped on their own and unmapped when freed (glibc's default threshold
+rises to 32 MiB as large blocks are freed, after which freed arrays stay in the arenas)."""
 
 
 class LimitExceeded(ServiceError):
@@ -99,13 +152,28 @@ class InflightBytes:
     def value(self) -> int:
         return self._value
 
-    def reserve(self, n: int) -> None:
-        """Adds ``n`` bytes, or raises LimitExceeded (and adds nothing)."""
+    def reserve(self, n: int, request_bytes: int | None = None) -> None:
+        """Adds ``n`` bytes, or raises LimitExceeded (and adds nothing).
+
+        Args:
+            n: the bytes to hold.
+            request_bytes: the serialized request ``n`` was estimated from, for
+                the message; None when ``n`` is the request itself.
+
+        Example:
+            >>> InflightBytes(1000).reserve(1200, request_bytes=100)
+            Traceback (most recent call last):
+            ...
+            xreduced.limits.LimitExceeded: request of 100 bytes (working set 1200 bytes) would bring in-flight
+            bytes to 1200, over --max-inflight-bytes 1000 (0 in flight now)
+        """
         with self._lock:
             total = self._value + n
             if self.limit is not None and total > self.limit:
+                what = f"request of {n} bytes" if request_bytes is None else (
+                    f"request of {request_bytes} bytes (working set {n} bytes)")
                 raise LimitExceeded(
-                    f"request of {n} bytes would bring in-flight bytes to {total}, over --max-inflight-bytes "
+                    f"{what} would bring in-flight bytes to {total}, over --max-inflight-bytes "
                     f"{self.limit} ({self._value} in flight now)", "max_inflight_bytes")
             self._value = total
 
@@ -186,3 +254,133 @@ def _ordinal(n: int) -> str:
     """
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+def memory_bound(idle: int, inflight_limit: int, largest_message: int, transfers: int = 1) -> int:
+    """The stated bound on the daemon's RSS, in bytes (see the module docstring):
+    ``idle + inflight_limit + (TRANSFER_FACTOR * transfers + OVERHEAD_FACTOR) * largest_message``.
+
+    Args:
+        idle: the daemon's RSS before the load.
+        inflight_limit: its ``--max-inflight-bytes``.
+        largest_message: the largest request or reply of the load.
+        transfers: how many messages of that size may be in transfer at once:
+            1 for a mix of sizes; the number of callers when every one of them
+            sends the largest at once.
+
+    Example:
+        >>> memory_bound(60 << 20, 256 << 20, 32 << 20) >> 20
+        508
+    """
+    return idle + inflight_limit + (TRANSFER_FACTOR * transfers + OVERHEAD_FACTOR) * largest_message
+
+
+def working_set(request, size: int) -> int:
+    """The bytes a call is estimated to hold from admission until its reply is
+    serialized: ``REQUEST_FACTOR * size + REPLY_FACTOR * reply_bytes(request, size)``.
+
+    Example:
+        >>> import numpy as np
+        >>> t = codec.encode(np.ones(256, np.float32))  # 1 KiB a replica
+        >>> r = pb.ReduceRequest(value=pb.DistributedValue(components=[pb.Component(tensor=t)] * 4))
+        >>> r.ByteSize(), reply_bytes(r, r.ByteSize()), working_set(r, r.ByteSize())
+        (4159, 4096, 24702)
+    """
+    return REQUEST_FACTOR * size + REPLY_FACTOR * reply_bytes(request, size)
+
+
+def reply_bytes(request, size: int) -> int:
+    """Result bytes the reply to ``request`` (of ``size`` serialized bytes) will
+    carry, from the request alone: per value, one replica's bytes (in the
+    result's dtype) for every destination; none when results go to a region
+    (``output``) or the method returns no tensors.
+
+    A tensor's bytes come from its dtype and shape, capped by the data the
+    request can hold (``size``, or the region slice it names), so an invalid
+    shape is refused by validation, not by this estimate. Typed values count 10
+    bytes an element (16 for complex). A collective's process that sends no
+    broadcast tensor counts none (its size is not known before the others come).
+
+    Example:
+        >>> import numpy as np
+        >>> b = pb.BroadcastRequest(tensor=codec.encode(np.ones(8, np.int16)), destinations=["CPU:0", "CPU:1"])
+        >>> reply_bytes(b, b.ByteSize())
+        32
+    """
+    fields = request.DESCRIPTOR.fields_by_name
+    if "output" in fields and request.HasField("output"):
+        return 0
+    mean = "reduce_op" in fields and request.reduce_op == pb.REDUCE_OP_MEAN
+    if "value" in fields:  # ReduceRequest
+        pairs = [(request.value, request.destinations)]
+    elif "pairs" in fields:  # BatchReduceRequest
+        pairs = [(p.value, p.destinations) for p in request.pairs]
+    elif "tensor" in fields and request.HasField("tensor"):  # BroadcastRequest
+        return _tensor_bytes(request.tensor, False, size) * len(request.destinations)
+    else:
+        return 0
+    total = 0
+    for value, destinations in pairs:
+        if value.components:
+            copies = len(destinations) or len(value.components)
+            total += _tensor_bytes(value.components[0].tensor, mean, size) * copies
+    return total
+
+
+def _tensor_bytes(tensor, mean: bool, size: int) -> int:
+    try:
+        dtype = codec.numpy_dtype(tensor.dtype)
+    except codec.CodecError:
+        return 0  # refused when it is decoded
+    shape = list(tensor.shape)
+    if any(d < 0 for d in shape):
+        return 0
+    elements = math.prod(shape)
+    out = mean_dtype(dtype) if mean else dtype
+    if len(tensor.float_values) or len(tensor.int_values) or len(tensor.uint_values):
+        return min(elements, size) * (16 if dtype.kind == "c" else 10)
+    cap = tensor.region.byte_size if tensor.HasField("region") else size
+    return min(elements, max(cap, 0) // dtype.itemsize) * out.itemsize
+
+
+def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MALLOC_MMAP_THRESHOLD) -> bool:
+    """Makes glibc's malloc give freed memory back: at most ``arenas`` arenas,
+    and blocks of ``mmap_threshold`` bytes and more mapped on their own. Call it
+    once at process start, before the serving threads exist.
+
+    Returns:
+        True when glibc took the settings; False elsewhere (another C library).
+
+    Example:
+        >>> tune_malloc() in (True, False)
+        True
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    m_mmap_threshold, m_arena_max = -3, -8  # glibc's malloc.h
+    return bool(libc.mallopt(m_arena_max, arenas)) and bool(libc.mallopt(m_mmap_threshold, mmap_threshold))
+
+
+def trim_malloc() -> None:
+    """Returns the free memory at the top of glibc's heaps to the system (no-op
+    elsewhere); cheap after :func:`tune_malloc`, which keeps large blocks out of
+    the heaps.
+
+    Example:
+        >>> trim_malloc()
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    """The C library when it is glibc, else None."""
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
+        libc.gnu_get_libc_version  # noqa: B018 (glibc alone has it)
+    except (OSError, AttributeError):
+        return None
+    return libc

@@ -3,8 +3,11 @@
 One interceptor sees every unary call: it gives the call a request id, refuses
 it when it is over ``--max-request-bytes`` (before parsing it), counts it per
 method and status code with its bytes in and out, and writes one structured
-log line when it ends. (The service reserves the in-flight bytes: it knows
-which collective a refused request belonged to.)
+log line when it ends. The service reserves the call's working set in the
+in-flight budget (:meth:`Stats.admit`; it knows which collective a refused
+request belonged to); the interceptor releases it once the reply is
+serialized, after dropping the parsed request, and trims malloc's heaps after
+large calls.
 
 The Prometheus metrics live in each daemon's own registry (several daemons
 can run in one process); ``--metrics-listen`` serves them over HTTP:
@@ -19,7 +22,9 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
 * ``xreduce_algbw_bytes_per_second{method}`` (histogram): algorithm bandwidth
   of those reductions, one replica's bytes divided by the reduction seconds
   (as nccl-tests' algbw);
-* ``xreduce_inflight_bytes``, ``xreduce_collectives_waiting`` (gauges);
+* ``xreduce_inflight_bytes`` (gauge): the estimated working sets of the calls being served
+  (:func:`xreduced.limits.working_set`);
+* ``xreduce_collectives_waiting`` (gauge);
 * ``xreduce_limit_rejections_total{limit}``: calls refused by each limit.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -37,7 +43,7 @@ from collections.abc import Callable
 import grpc
 import prometheus_client
 
-from xreduced.limits import InflightBytes, LimitExceeded, Limits
+from xreduced.limits import InflightBytes, LimitExceeded, Limits, trim_malloc, working_set
 
 log = logging.getLogger("xreduced.calls")
 
@@ -85,7 +91,7 @@ class Stats:
             "divided by its seconds.", ["method"], buckets=ALGBW_BUCKETS, registry=r)
         self._rejections = prometheus_client.Counter(
             "xreduce_limit_rejections", "Calls refused by a limit.", ["limit"], registry=r)
-        prometheus_client.Gauge("xreduce_inflight_bytes", "Bytes of the requests being served now.",
+        prometheus_client.Gauge("xreduce_inflight_bytes", "Estimated working sets of the calls being served now.",
                                 registry=r).set_function(lambda: self.inflight.value)
         prometheus_client.Gauge("xreduce_collectives_waiting", "Multi-process collectives waiting for "
                                 "participants now.", registry=r).set_function(lambda: self.collectives_waiting())
@@ -100,8 +106,37 @@ class Stats:
 
     @property
     def inflight_bytes(self) -> int:
-        """Bytes of the requests being served now."""
+        """Estimated working sets of the calls being served now."""
         return self.inflight.value
+
+    def admit(self, request, size: int) -> Callable[[], None]:
+        """Reserves a call's working set (:func:`~xreduced.limits.working_set` of
+        ``request``, ``size`` serialized bytes) in the in-flight budget.
+
+        Returns:
+            What the caller runs when its handler ends: inside a call the
+            :class:`CallInterceptor` observes, nothing (the interceptor releases
+            the bytes once the reply is serialized); otherwise the release.
+
+        Raises:
+            LimitExceeded: over ``--max-inflight-bytes``; nothing is reserved.
+
+        Example:
+            >>> from xreduce.v1 import xreduce_pb2 as pb
+            >>> s = Stats()
+            >>> release = s.admit(pb.ListDevicesRequest(), 100)
+            >>> s.inflight_bytes
+            200
+            >>> release(); s.inflight_bytes
+            0
+        """
+        n = working_set(request, size)
+        self.inflight.reserve(n, size)
+        call = _CALL.get()
+        if call is None:
+            return functools.partial(self.inflight.release, n)
+        call.held += n
+        return _nothing
 
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
         """Counts one finished call."""
@@ -132,6 +167,25 @@ class Stats:
 
 
 _ids = itertools.count(1)
+
+TRIM_BYTES = 4 << 20
+"""After a call whose request and reply add up to this many bytes, malloc's heaps are trimmed (the parts of
+them below the mmap threshold that such a call freed: on a 16 x 100 call run of bench/load.py, peak RSS
+-10 to -20%, no throughput change measurable)."""
+
+
+@dataclasses.dataclass
+class _Call:
+    """What an observed call holds in the in-flight budget."""
+
+    held: int = 0
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("xreduce_call", default=None)
+
+
+def _nothing() -> None:
+    return None
 
 REQUEST_BYTES: contextvars.ContextVar[int | None] = contextvars.ContextVar("xreduce_request_bytes", default=None)
 """The serialized size of the request being served in this thread, as it arrived
@@ -182,6 +236,8 @@ class CallInterceptor(grpc.ServerInterceptor):
             start = time.monotonic()
             bytes_in, code, bytes_out = incoming.size, "OK", 0
             size_token = REQUEST_BYTES.set(bytes_in)
+            call = _Call()
+            call_token = _CALL.set(call)
             try:
                 try:
                     stats.limits.check_request(bytes_in, method)
@@ -191,21 +247,29 @@ class CallInterceptor(grpc.ServerInterceptor):
                 if incoming.error is not None:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, incoming.error)
                 reply = inner(incoming.message, context)
+                incoming.message = None  # the parsed request is not needed while the reply is serialized
                 if context.code() not in (None, grpc.StatusCode.OK):  # set_code() and returned, without raising
                     code = _code_name(context)
                 # Serialized here, once, to count its bytes: gRPC then sends these bytes as they are.
                 data = reply if reply is None or serialize is None else serialize(reply)
+                del reply
                 bytes_out = len(data) if isinstance(data, bytes) else 0
                 return data
             except Exception:
                 code = _code_name(context)
                 raise
             finally:
+                incoming.message = None
+                if call.held:
+                    stats.inflight.release(call.held)
+                _CALL.reset(call_token)
                 REQUEST_BYTES.reset(size_token)
                 seconds = time.monotonic() - start
                 stats.record(method, code, bytes_in, bytes_out, seconds)
                 log.info("event=call id=%d method=%s bytes_in=%d bytes_out=%d ms=%.3f status=%s",
                          call_id, method, bytes_in, bytes_out, seconds * 1e3, code)
+                if bytes_in + bytes_out >= TRIM_BYTES:
+                    trim_malloc()
 
         return grpc.unary_unary_rpc_method_handler(
             observed, request_deserializer=deserialize, response_serializer=_already_serialized)

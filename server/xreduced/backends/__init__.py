@@ -28,6 +28,11 @@ class Backend(Protocol):
 
     Every method that returns a buffer places it on the named device (or the
     device of its first operand); additions round in the operands' dtype.
+
+    A backend whose buffers are numpy arrays in host memory sets the class
+    attribute ``host_memory = True``: the executor then runs plans fused, on
+    views of the inputs, and never calls its buffer methods (one without it
+    runs the generic way).
     """
 
     name: str
@@ -39,6 +44,10 @@ class Backend(Protocol):
     def upload(self, device: int, array: np.ndarray) -> Any: ...
 
     def download(self, buf: Any) -> np.ndarray: ...
+
+    def write(self, dst: np.ndarray, buf: Any) -> None:
+        """Copies ``buf`` into the host array ``dst`` (same dtype and shape), e.g. a
+        caller's shared-memory output, without an intermediate host copy."""
 
     def copy(self, buf: Any, device: int) -> Any: ...
 
