@@ -10,6 +10,21 @@ import sys
 import threading
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def checkout_env() -> dict[str, str]:
+    """This process's environment with the checkout's client/ and server/ first on PYTHONPATH,
+    for child processes that import xreduce and xreduced without installing them."""
+    env = dict(os.environ)
+    paths = [os.path.join(ROOT, "client"), os.path.join(ROOT, "server")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 _SERVING = re.compile(r"event=serving address=(\S+)")
 
 

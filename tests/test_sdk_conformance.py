@@ -23,13 +23,15 @@ ERRORS = [e for e in DOC["errors"] if e["error"]["match"] != "not_applicable"]
 TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 
 
-@pytest.fixture(scope="module")
-def ops_for(daemon):
+@pytest.fixture(scope="module", params=["shm", "wire"])
+def ops_for(daemon, request):
+    """Every case runs over both transports: shared memory and bytes on the wire."""
     made = {}
 
     def get(num_packs):
         if num_packs not in made:
-            made[num_packs] = HierarchicalCopyAllReduce(num_packs=num_packs, address=daemon.address)
+            made[num_packs] = HierarchicalCopyAllReduce(num_packs=num_packs, address=daemon.address,
+                                                        transport=request.param)
         return made[num_packs]
 
     yield get

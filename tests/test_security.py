@@ -283,12 +283,31 @@ _EMPTY_REQUESTS = {
     "BatchReduce": pb.BatchReduceRequest(),
     "Broadcast": pb.BroadcastRequest(),
     "JoinGroup": pb.JoinGroupRequest(),
+    "RegisterRegion": pb.RegisterRegionRequest(),
+    "UnregisterRegion": pb.UnregisterRegionRequest(),
+    "ListRegions": pb.ListRegionsRequest(),
+}
+_STREAMING = {
+    "OpenSession": lambda rpc, metadata: list(rpc(pb.OpenSessionRequest(), timeout=10, metadata=metadata)),
+    "ReduceStream": lambda rpc, metadata: list(rpc(iter([pb.ReduceStreamRequest()]), timeout=10,
+                                                   metadata=metadata)),
 }
 
 
 def test_every_method_is_covered():
     methods = pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].methods_by_name
-    assert sorted(methods) == sorted(_EMPTY_REQUESTS)
+    assert sorted(methods) == sorted([*_EMPTY_REQUESTS, *_STREAMING])
+
+
+@pytest.mark.parametrize("method", sorted(_STREAMING))
+def test_every_streaming_method_needs_the_token(token_daemon, method):
+    with grpc.insecure_channel(token_daemon.address) as channel:
+        rpc = getattr(pb_grpc.CrossDeviceOpsStub(channel), method)
+        for metadata in [(), (("authorization", "Bearer wrong"),)]:
+            with pytest.raises(grpc.RpcError) as info:
+                _STREAMING[method](rpc, metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "needs a valid bearer token" in info.value.details()
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),),

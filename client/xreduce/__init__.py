@@ -30,6 +30,7 @@ from xreduce._errors import (
     UnavailableError,
     XReduceError,
 )
+from xreduce._shm import shared_array
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -52,4 +53,5 @@ __all__ = [
     "distribution",
     "resolve_address",
     "serve_embedded",
+    "shared_array",
 ]

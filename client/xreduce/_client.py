@@ -17,6 +17,7 @@ import threading
 
 import grpc
 
+from xreduce import _shm
 from xreduce._errors import from_rpc_error
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -72,6 +73,12 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
 """Options of every SDK channel: message limits, retries, fast reconnects."""
+
+def _check_transport(value: str, name: str) -> str:
+    if value not in _shm.TRANSPORTS:
+        raise ValueError(f"{name} must be one of {', '.join(_shm.TRANSPORTS)}; got {value!r}")
+    return value
+
 
 _embedded_address: list[str] = []  # set by serve_embedded(), innermost last
 _lock = threading.Lock()
@@ -170,6 +177,10 @@ class Client:
         certificate_chain: this process's certificate for mutual TLS, PEM bytes
             or a path; default ``XREDUCE_TLS_CLIENT_CERT``.
         private_key: its key; default ``XREDUCE_TLS_CLIENT_KEY``.
+        transport: how tensors travel: ``"auto"`` (shared memory when the
+            daemon shares this host, else the wire), ``"shm"`` (shared memory,
+            or an error saying why not), ``"wire"`` (bytes in the messages);
+            default ``XREDUCE_TRANSPORT``, else ``"auto"``.
 
     ``XREDUCE_TLS_SERVER_NAME`` overrides the name the daemon's certificate
     must carry (default: the address's host). A daemon started by
@@ -197,7 +208,7 @@ class Client:
 
     def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None,
                  root_certificates: Pem | None = None, certificate_chain: Pem | None = None,
-                 private_key: Pem | None = None):
+                 private_key: Pem | None = None, transport: str | None = None):
         if (certificate_chain is None) != (private_key is None):
             raise ValueError("certificate_chain and private_key go together (mutual TLS); got only "
                              + ("certificate_chain" if private_key is None else "private_key"))
@@ -211,6 +222,59 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CrossDeviceOpsStub | None = None
         self._devices: pb.ListDevicesResponse | None = None
+        self._transport = transport
+        if transport is not None:
+            _check_transport(transport, "transport")
+
+    @property
+    def transport(self) -> str:
+        """The transport asked for: ``transport=``, else ``XREDUCE_TRANSPORT``, else ``"auto"``."""
+        if self._transport is not None:
+            return self._transport
+        return _check_transport(os.environ.get(_shm.ENV_TRANSPORT) or "auto", _shm.ENV_TRANSPORT)
+
+    def shared_memory(self) -> _shm.Transport | None:
+        """The shared-memory transport when this call should use it, else None (the wire).
+
+        Raises:
+            xreduce.XReduceError: ``transport="shm"`` and the daemon cannot
+                read this host's shared memory (the message says why).
+        """
+        mode = self.transport
+        if mode == "wire":
+            return None
+        if not _shm.available():
+            if mode == "shm":
+                raise ValueError(f"transport='shm' needs POSIX shared memory ({_shm.SHM_DIR}); this host has none")
+            return None
+        # One session per process and daemon, shared by every client: each open session holds a daemon thread.
+        key = (os.getpid(), self.address, self._metadata(), self.tls)
+        transport = _shm.transport_for(key, self._clone)
+        if transport.usable():
+            return transport
+        if mode == "shm":
+            raise ValueError(f"transport='shm' but the daemon at {self.address} cannot read this host's shared "
+                             f"memory: {transport.reason}")
+        return None
+
+    def _clone(self) -> Client:
+        """A client of the same daemon with the same credentials, for the shared session."""
+        return Client(self.address, self.timeout, self._token, self._root_certificates, self._certificate_chain,
+                      self._private_key, transport="wire")
+
+    def _open_session(self) -> _shm.Session:
+        try:
+            return _shm.Session(self._get_stub(), self._metadata(), self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+
+    def _call_with(self, method: str, request, metadata: tuple, timeout: float | None = None):
+        rpc = getattr(self._get_stub(), method)
+        try:
+            return rpc(request, timeout=self.timeout if timeout is None else timeout,
+                       metadata=self._metadata() + tuple(metadata))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
 
     @property
     def address(self) -> str:
@@ -271,13 +335,9 @@ class Client:
         self._get_channel()
         return self._stub
 
-    def call(self, method: str, request, timeout: float | None = None):
-        """Calls RPC ``method``; failures raise :class:`xreduce.XReduceError`."""
-        rpc = getattr(self._get_stub(), method)
-        try:
-            return rpc(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+    def call(self, method: str, request, timeout: float | None = None, metadata: tuple = ()):
+        """Calls RPC ``method`` (with extra ``metadata``); failures raise :class:`xreduce.XReduceError`."""
+        return self._call_with(method, request, metadata, timeout)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The daemon's health for ``service`` ("" is the whole daemon): ``"SERVING"``, ``"NOT_SERVING"``...
@@ -309,7 +369,8 @@ class Client:
         return [d.name for d in self.list_devices().devices]
 
     def close(self) -> None:
-        """Closes the channel; the client reopens it if used again."""
+        """Closes the channel; the client reopens it if used again. (The shared-memory
+        session is the process's, shared by its clients: it ends when the process exits.)"""
         with _lock:
             if self._channel is not None:
                 self._channel.close()

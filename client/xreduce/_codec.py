@@ -130,6 +130,27 @@ def encode(array: np.ndarray, encoding: str = RAW) -> pb.Tensor:
     return out
 
 
+def spec(tensor: pb.Tensor, field: str = "tensor") -> tuple[np.dtype, tuple[int, ...]]:
+    """A ``Tensor``'s dtype and shape, checked (its data is not looked at).
+
+    Raises:
+        CodecError: unsupported dtype, a bad shape.
+
+    Example:
+        >>> spec(pb.Tensor(dtype=pb.DATA_TYPE_INT8, shape=[2, 3]))
+        (dtype('int8'), (2, 3))
+    """
+    dtype = numpy_dtype(tensor.dtype, f"{field}.dtype")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"{field}.shape: dimensions must be >= 0; got {list(shape)}")
+    if len(shape) > MAX_DIMS:
+        raise CodecError(f"{field}.shape: at most {MAX_DIMS} dimensions; got {len(shape)}")
+    if any(d >= 1 << 62 for d in shape) or math.prod(shape) >= 1 << 62:
+        raise CodecError(f"{field}.shape: too large; got {list(shape)}")
+    return dtype, shape
+
+
 def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
     """Decodes a ``Tensor`` into a numpy array, checking it completely.
 
@@ -145,15 +166,8 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
         >>> decode(pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=[3], float_values=[1, 2, 3]))
         array([1., 2., 3.], dtype=float32)
     """
-    dtype = numpy_dtype(tensor.dtype, f"{field}.dtype")
-    shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
-        raise CodecError(f"{field}.shape: dimensions must be >= 0; got {list(shape)}")
+    dtype, shape = spec(tensor, field)
     count = math.prod(shape)
-    if len(shape) > MAX_DIMS:
-        raise CodecError(f"{field}.shape: at most {MAX_DIMS} dimensions; got {len(shape)}")
-    if any(d >= 1 << 62 for d in shape) or count >= 1 << 62:
-        raise CodecError(f"{field}.shape: too large; got {list(shape)}")
     label = f"{dtype.name}{list(shape)}"
     present = [
         name

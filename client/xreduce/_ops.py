@@ -14,6 +14,7 @@ import numpy as np
 from google.protobuf import duration_pb2
 
 from xreduce import _codec as codec
+from xreduce import _ipc, _shm, _streaming
 from xreduce._arrays import device_of, is_tensor, to_host
 from xreduce._client import Client, process_group
 from xreduce._devices import canonical
@@ -170,8 +171,8 @@ class CrossDeviceOps:
         2
     """
 
-    def __init__(self, address: str | None = None, token: str | None = None):
-        self._client = Client(address, token=token)
+    def __init__(self, address: str | None = None, token: str | None = None, transport: str | None = None):
+        self._client = Client(address, token=token, transport=transport)
 
     @property
     def client(self) -> Client:
@@ -261,16 +262,29 @@ class CrossDeviceOps:
         dests = self._destination_names(destinations, names)
         request = pb.BroadcastRequest(destinations=dests)
         restore = _writable_numpy
-        if group is None or group.process_id == 0 or tensor is not None:
+        source = group is None or group.process_id == 0
+        if source or tensor is not None:
             host = to_host(tensor)
             restore = host.restore
-            if group is None or group.process_id == 0:
-                request.tensor.CopyFrom(codec.encode(host.array))
+            if source:
                 request.source_device = canonical(host.device) if host.device else names[0]
-        if group is not None:
-            request.collective.CopyFrom(group.next_spec())
-        reply = self._client.call("Broadcast", request)
-        return _regroup(reply.result, restore)
+        shm = self._client.shared_memory() if source else None
+        free, result, metadata = (lambda: None), codec.decode, ()
+        try:
+            if shm is not None:
+                (staged,), free = shm.stage([host.array])
+                request.tensor.CopyFrom(staged)
+                output, result = shm.output(_shm.output_bytes([(len(dests), host.array.dtype, host.array.shape)]))
+                request.output.CopyFrom(output)
+                metadata = shm.metadata()
+            elif source:
+                request.tensor.CopyFrom(codec.encode(host.array))
+            if group is not None:  # taken last: a failure before the call must not skip a sequence number
+                request.collective.CopyFrom(group.next_spec())
+            reply = self._client.call("Broadcast", request, None, metadata)
+        finally:
+            free()
+        return _regroup(reply.result, restore, result)
 
     def _local_names(self) -> Sequence[str]:
         """Fetched only if a value or destination needs them: a collective whose
@@ -313,14 +327,21 @@ class CrossDeviceOps:
         if group is None and len(first) == 1 and all(set(devs) == set(dests) == first for _, devs, dests in wire):
             return [_regroup_local(v) for v, _, _ in wire]
         fields = dict(self._algorithm(), reduce_op=pb.ReduceOp.Value(f"REDUCE_OP_{op.value}"))
-        if group is not None:
-            fields["collective"] = group.next_spec()
         timeout = None
         if options.timeout_seconds is not None:
             fields["timeout"] = duration_pb2.Duration()
             fields["timeout"].FromNanoseconds(int(options.timeout_seconds * 1e9))
             timeout = options.timeout_seconds + 5.0  # the daemon's own deadline message comes first
+        shm = self._client.shared_memory()
+        if shm is not None:
+            return self._batch_shm(shm, op, wire, fields, single, timeout, group)
+        if group is None:
+            hosts = [v.hosts() for v, _, _ in wire]
+            if sum(h.array.nbytes for hs in hosts for h in hs) > _streaming.STREAM_THRESHOLD_BYTES:
+                return self._batch_streamed(hosts, wire, fields, timeout)
         values = [_encode_value(v, devs) for v, devs, _ in wire]
+        if group is not None:  # taken last: a failure before the call must not skip a sequence number
+            fields["collective"] = group.next_spec()
         if single:
             (value, _, dests), = wire
             request = pb.ReduceRequest(value=values[0], destinations=dests, **fields)
@@ -331,6 +352,64 @@ class CrossDeviceOps:
         )
         reply = self._client.call("BatchReduce", request, timeout)
         return [_regroup(r.result, v.hosts()[0].restore) for r, (v, _, _) in zip(reply.results, wire)]
+
+    def _batch_streamed(self, hosts, wire, fields: dict, timeout: float | None) -> list[Any]:
+        """``_batch`` over ``ReduceStream``: large payloads in chunks, with no message limit."""
+        header = pb.BatchReduceRequest(pairs=[
+            pb.ReducePair(destinations=dests, value=pb.DistributedValue(components=[
+                pb.Component(device=d, tensor=_streaming.streamed_tensor(h.array)) for d, h in zip(devs, hs)]))
+            for (_, devs, dests), hs in zip(wire, hosts)], **fields)
+        results = _streaming.stream_batch_reduce(self._client, header, [[h.array for h in hs] for hs in hosts],
+                                                 timeout)
+        out = []
+        for (_, components), hs in zip(results, hosts):
+            arrays = [hs[0].restore(a) for _, a in components]
+            out.append(arrays[0] if len(arrays) == 1 else Mirrored(arrays, devices=[d for d, _ in components]))
+        return out
+
+    def _batch_shm(self, shm: _shm.Transport, op: ReduceOp, wire, fields: dict, single: bool,
+                   timeout: float | None, group) -> list[Any]:
+        """``_batch`` through shared memory: regions in, results written into an output region.
+
+        CuPy values travel as CUDA IPC regions instead when the daemon can open them
+        (its backend is cupy, and it is not embedded in this process); the results
+        are then CuPy arrays on the first value's GPU.
+        """
+        raw = [list(v._values) for v, _, _ in wire]
+        ipc = _ipc.staging(shm, self._client.address, raw)
+        if ipc is not None:
+            arrays = [a for values in raw for a in values]
+            restores = [(lambda a: a)] * len(wire)
+            stage, make_output = ipc.stage, ipc.output
+        else:
+            hosts = [v.hosts() for v, _, _ in wire]
+            arrays = [h.array for hs in hosts for h in hs]
+            restores = [hs[0].restore for hs in hosts]
+            stage, make_output = shm.stage, shm.output
+        firsts = [values[0] for values in raw] if ipc is not None else [hs[0].array for hs in hosts]
+        tensors, free = stage(arrays)
+        try:
+            it = iter(tensors)
+            values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in devs])
+                      for (_, devs, _) in wire]
+            output, result = make_output(_shm.output_bytes([
+                (len(dests), _result_dtype(op, np.dtype(first.dtype)), tuple(first.shape))
+                for (_, _, dests), first in zip(wire, firsts)
+            ]))
+            metadata = shm.metadata()
+            if group is not None:
+                fields["collective"] = group.next_spec()
+            if single:
+                (_, _, dests), = wire
+                request = pb.ReduceRequest(value=values[0], destinations=dests, output=output, **fields)
+                replies = [self._client.call("Reduce", request, timeout, metadata).result]
+            else:
+                request = pb.BatchReduceRequest(pairs=[pb.ReducePair(value=m, destinations=d)
+                                                       for m, (_, _, d) in zip(values, wire)], output=output, **fields)
+                replies = [r.result for r in self._client.call("BatchReduce", request, timeout, metadata).results]
+        finally:
+            free()
+        return [_regroup(r, restore, result) for r, restore in zip(replies, restores)]
 
     def _accumulated(self, op: ReduceOp, accumulate: Callable, value: DistributedValues,
                      dests: list[str]) -> Any:
@@ -360,8 +439,15 @@ def _encode_value(value: DistributedValues, devices: Sequence[str]) -> pb.Distri
     ])
 
 
-def _regroup(result: pb.DistributedValue, restore: Callable) -> Any:
-    arrays = [restore(codec.decode(c.tensor)) for c in result.components]
+def _result_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
+    """The widest dtype a result can have (MEAN promotes integers)."""
+    if op is ReduceOp.MEAN and dtype.kind in "iu":
+        return np.dtype(np.float32 if dtype.itemsize <= 2 else np.float64)
+    return dtype
+
+
+def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:
+    arrays = [restore(decode(c.tensor)) for c in result.components]
     if len(arrays) == 1:
         return arrays[0]
     return Mirrored(arrays, devices=[c.device for c in result.components])
@@ -405,6 +491,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         address: the daemon; see :func:`xreduce.resolve_address`.
         token: the daemon's bearer token (``--auth-token-file``); default
             ``XREDUCE_TOKEN``, else none.
+        transport: ``"auto"``, ``"shm"`` or ``"wire"``; see :class:`xreduce.Client`.
 
     Raises:
         ValueError: ``num_packs`` < 0, with TF's message.
@@ -417,10 +504,11 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         >>> ops = HierarchicalCopyAllReduce(address="10.0.0.5:50551", token="s3cret")  # a remote daemon
     """
 
-    def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None):
+    def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None,
+                 transport: str | None = None):
         if num_packs < 0:
             raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
-        super().__init__(address, token)
+        super().__init__(address, token, transport)
         self.num_packs = num_packs
 
     def _algorithm(self) -> dict:
@@ -438,6 +526,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             Python), then the result is broadcast to the destinations.
         address: the daemon.
         token: the daemon's bearer token; default ``XREDUCE_TOKEN``, else none.
+        transport: ``"auto"``, ``"shm"`` or ``"wire"``; see :class:`xreduce.Client`.
 
     Example:
         >>> ReductionToOneDevice(reduce_to_device="gpu:1").reduce_to_device
@@ -446,8 +535,8 @@ class ReductionToOneDevice(CrossDeviceOps):
     """
 
     def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None,
-                 address: str | None = None, token: str | None = None):
-        super().__init__(address, token)
+                 address: str | None = None, token: str | None = None, transport: str | None = None):
+        super().__init__(address, token, transport)
         self.reduce_to_device = canonical(reduce_to_device) if reduce_to_device is not None else None
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise ValueError(f"accumulation_fn must be callable; got {accumulation_fn!r}")

@@ -23,6 +23,18 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(ServiceError):
+    """Another session's region, or a session that is not open."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(ServiceError):
+    """A region named by a call that has no session."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DeadlineExceeded(ServiceError):
     """The operation's timeout passed."""
 

@@ -136,6 +136,8 @@ class Daemon:
         self._stopped.set()
         grace = self.config.grace_seconds if grace is None else grace
         self.health.enter_graceful_shutdown()
+        # Sessions are open streams: end them first, or every stop would wait out the whole grace.
+        self.service.regions.close_all()
         log.info("event=stopping grace_seconds=%g", grace)
         self.server.stop(grace).wait()
         if self.metrics is not None:

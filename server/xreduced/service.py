@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import logging
+import math
 import time
 
 import grpc
@@ -23,11 +24,12 @@ from xreduced import planner, streaming
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, label, reduce_together
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
-from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations
+from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations, result_dtype
 from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
 from xreduced.limits import CollectiveSlots, LimitExceeded, Limits
 from xreduced.observability import REQUEST_BYTES, Stats
+from xreduced.regions import RegionTable, probe_shm, session_of
 from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
@@ -64,7 +66,7 @@ def _status(handler):
     def wrapper(self, request, context):
         log.debug("event=handling method=%s peer=%s", handler.__name__, context.peer())
         try:
-            with self._admitted(request, handler.__name__):
+            with self._admitted(request, handler.__name__), self.regions.call(session_of(context)):
                 return handler(self, request, context)
         except ServiceError as e:
             context.abort(e.code, _short(str(e)))
@@ -130,7 +132,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
 
     def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = 300.0,
                  rendezvous: Rendezvous | None = None, config: Config | None = None,
-                 stats: Stats | None = None):
+                 stats: Stats | None = None, regions: RegionTable | None = None):
         self.engine = engine
         self.backend_name = backend_name
         self.devices = DeviceTable(engine.backend.devices())
@@ -140,6 +142,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.stats = stats or Stats()
         self.stats.configure(Limits.from_config(self.config), self.rendezvous.pending)
         self.collective_slots = CollectiveSlots(self.config.max_collectives)
+        self.regions = regions or RegionTable(ipc_opener=getattr(engine.backend, "open_ipc", None))
 
     @_status
     def ListDevices(self, request, context):
@@ -186,23 +189,59 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     @_status
     def Reduce(self, request, context):
         encoding = _encoding([request.value])
-        (result,) = self._reduce("Reduce", request, context, [(request.value, request.destinations)],
-                                 ["value"], ["destinations"])
-        return pb.ReduceResponse(result=self._encode(result, encoding), route=_ROUTES[result.route])
+        (result,), (out,) = self._reduce("Reduce", request, context, [(request.value, request.destinations)],
+                                         ["value"], ["destinations"])
+        return pb.ReduceResponse(result=self._encode(result, encoding, out), route=_ROUTES[result.route])
 
     @_status
     def BatchReduce(self, request, context):
         encoding = _encoding([p.value for p in request.pairs])
         n = len(request.pairs)
-        results = self._reduce(
+        results, outs = self._reduce(
             "BatchReduce", request, context, [(p.value, p.destinations) for p in request.pairs],
             [f"pairs[{i}].value" for i in range(n)], [f"pairs[{i}].destinations" for i in range(n)],
         )
         return pb.BatchReduceResponse(
             results=[
-                pb.ReduceResult(result=self._encode(r, encoding), route=_ROUTES[r.route]) for r in results
+                pb.ReduceResult(result=self._encode(r, encoding, out), route=_ROUTES[r.route])
+                for r, out in zip(results, outs)
             ]
         )
+
+    def OpenSession(self, request, context):
+        session = self.regions.open_session()
+        context.add_callback(lambda: self.regions.close_session(session.id))
+        reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce)) if request.probe_shm_key else (
+            "no probe was sent")
+        log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], context.peer(),
+                 reason is None)
+        yield pb.OpenSessionResponse(session_id=session.id, shared_memory=reason is None,
+                                     shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc)
+        # The stream is the session: it stays open until the client leaves or the daemon stops.
+        while context.is_active() and not session.closed.wait(1.0):
+            pass
+        self.regions.close_session(session.id)
+        log.info("event=session_close session=%s...", session.id[:8])
+
+    @_status
+    def RegisterRegion(self, request, context):
+        kind = request.WhichOneof("source") or ""
+        self.regions.register(session_of(context), request.name, {"shm_key": "shm"}.get(kind, kind),
+                              request.shm_key, request.offset, request.byte_size, request.cuda_ipc)
+        return pb.RegisterRegionResponse()
+
+    @_status
+    def UnregisterRegion(self, request, context):
+        self.regions.unregister(session_of(context), request.name)
+        return pb.UnregisterRegionResponse()
+
+    @_status
+    def ListRegions(self, request, context):
+        return pb.ListRegionsResponse(regions=[
+            pb.Region(name=r.name, kind=r.kind, shm_key=r.key if r.kind == "shm" else "", offset=r.offset,
+                      byte_size=r.byte_size, in_use=r.in_use)
+            for r in self.regions.list(session_of(context))
+        ])
 
     @_status
     def Broadcast(self, request, context):
@@ -212,7 +251,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             is_source = group is None or group.process_id == request.source_process
             if is_source and not request.HasField("tensor"):
                 raise InvalidArgument("tensor: broadcast needs a tensor; got none")
-            array = codec.decode(request.tensor, "tensor") if request.HasField("tensor") else None
+            array = self._array(request.tensor, "tensor") if request.HasField("tensor") else None
             source = self.devices.resolve(request.source_device, "source_device") if request.source_device else None
             dests = self._devices(request.destinations, "destinations")
             if group is not None:
@@ -223,16 +262,23 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 if not dests:
                     raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
                 check_destinations(dests, "destinations", self.engine.label)
+            out = None
+            if request.HasField("output"):
+                if array is None:
+                    raise InvalidArgument("output: a process that sends no tensor cannot size its output; send "
+                                          "the tensor's dtype and shape with an empty region, or omit output")
+                out = self._layout(request.output, [(dests, array.dtype, array.shape)])[0]
         if group is None:
-            result = self._timed("Broadcast", array.nbytes,
-                                 lambda: self.engine.broadcast(array, source or 0, dests, deadline))
+            result = self._timed("Broadcast", array.nbytes, lambda: self.engine.broadcast(
+                array, source or 0, dests, deadline, out=None if out is None else _arrays([out])[0]))
         else:
-            share = BroadcastShare(request.source_process, array, source, dests)
+            share = BroadcastShare(request.source_process, array, source, dests,
+                                   out=None if out is None else _arrays([out])[0])
             result = self._meet(group, share, deadline, context, lambda shares: self._timed(
                 "Broadcast", _broadcast_bytes(shares),
                 lambda: broadcast_together(self.engine, shares, group.label, deadline)))
         encoding = codec.encoding_of(request.tensor) if request.HasField("tensor") else codec.RAW
-        return pb.BroadcastResponse(result=self._encode(result, encoding))
+        return pb.BroadcastResponse(result=self._encode(result, encoding, out))
 
     @_status
     def JoinGroup(self, request, context):
@@ -273,15 +319,24 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
             ]
             resolved = self.engine.validate(op, pairs, options["num_packs"], dest_fields)
+            outs = [None] * len(resolved)
+            if request.HasField("output"):
+                # Across processes a value always has several replicas: never the identity route.
+                routes = [planner.HIERARCHICAL_COPY] * len(resolved) if group is not None else self.engine.routes(
+                    op, pairs, algorithm=options["algorithm"], num_packs=options["num_packs"], dest_fields=dest_fields)
+                outs = self._layout(request.output, [
+                    (dests, result_dtype(op, value.arrays[0].dtype, route), value.arrays[0].shape)
+                    for (value, dests), route in zip(resolved, routes)
+                ])
         replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
         if group is None:
-            return self._timed(kind, replica_bytes,
-                               lambda: self.engine.batch_reduce(op, pairs, dest_fields=dest_fields, **options))
+            return self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
+                op, pairs, dest_fields=dest_fields, out=_arrays(outs), **options)), outs
         share = Contribution(kind, op, options["num_packs"], options["algorithm"], options["reduce_to"],
-                             tuple(resolved))
+                             tuple(resolved), out=tuple(_arrays(outs)))
         deadline = options["deadline"]
         return self._meet(group, share, deadline, context, lambda shares: self._timed(
-            kind, replica_bytes, lambda: reduce_together(self.engine, shares, group.label, deadline)))
+            kind, replica_bytes, lambda: reduce_together(self.engine, shares, group.label, deadline))), outs
 
     def _meet(self, group: _Group, share, deadline: Deadline, context, compute, remember_failure=True):
         try:
@@ -301,7 +356,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
 
     @contextlib.contextmanager
     def _admitted(self, request, method: str):
-        """Holds the request's bytes in the in-flight budget while it is served.
+        """Holds the call's working set in the in-flight budget from admission until its reply is
+        serialized (Stats.admit).
 
         Raises:
             LimitExceeded: over --max-request-bytes (when no interceptor checked it
@@ -313,7 +369,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             size = request.ByteSize()
         try:
             self.stats.limits.check_request(size, _METHOD + method)
-            self.stats.inflight.reserve(size)
+            release = self.stats.admit(request, size)
         except LimitExceeded as e:
             self.stats.rejected(e.limit)
             if "collective" in request.DESCRIPTOR.fields_by_name:
@@ -325,7 +381,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         try:
             yield
         finally:
-            self.stats.inflight.release(size)
+            release()
 
     def _fail_for_others(self, group: _Group, error: ServiceError) -> None:
         self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(
@@ -423,16 +479,94 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         devices, arrays = [], []
         for p, comp in enumerate(message.components):
             devices.append(self.devices.resolve(comp.device, f"{field}.components[{p}].device"))
-            arrays.append(codec.decode(comp.tensor, f"{field}.components[{p}].tensor"))
+            arrays.append(self._array(comp.tensor, f"{field}.components[{p}].tensor"))
         return Value(tuple(devices), tuple(arrays), field)
 
-    def _encode(self, result: Result, encoding: str) -> pb.DistributedValue:
-        return pb.DistributedValue(
-            components=[
-                pb.Component(device=self.devices.name(d).canonical, tensor=codec.encode(np.asarray(a), encoding))
+    def _array(self, tensor: pb.Tensor, field: str):
+        """A request's tensor: decoded from its bytes, or a view of the caller's region."""
+        if not tensor.HasField("region"):
+            return codec.decode(tensor, field)
+        dtype, shape = codec.spec(tensor, field)
+        carried = [n for n in ("raw_data", "float_values", "int_values", "uint_values") if len(getattr(tensor, n))]
+        if carried:
+            raise InvalidArgument(f"{field}: names a region and carries {', '.join(carried)}; send one of them")
+        want = math.prod(shape) * dtype.itemsize
+        r = tensor.region
+        if r.byte_size != want:
+            raise InvalidArgument(f"{field}.region.byte_size: {r.byte_size} bytes for {dtype.name}{list(shape)}, "
+                                  f"expected {want}")
+        if r.offset % dtype.itemsize:
+            raise InvalidArgument(f"{field}.region.offset: must be a multiple of the {dtype.name} item size "
+                                  f"({dtype.itemsize}); got {r.offset}")
+        return _view(self.regions.resolve(r.name, r.offset, r.byte_size, f"{field}.region"), dtype, shape)
+
+    def _layout(self, output: pb.RegionSlice, results) -> list[dict[int, tuple[str, int, object]]]:
+        """Places each result component in ``output``, 64-byte aligned and in order.
+
+        Args:
+            results: per result, (destination devices, dtype, shape).
+
+        Returns:
+            Per result, destination device -> (region name, offset in it, writable view).
+        """
+        total, places = 0, []
+        for dests, dtype, shape in results:
+            nbytes = math.prod(shape) * dtype.itemsize
+            for d in dests:
+                total += -total % OUTPUT_ALIGNMENT
+                places.append((d, dtype, shape, total, nbytes))
+                total += nbytes
+        if total > output.byte_size:
+            raise InvalidArgument(f"output.byte_size: the results need {total} bytes ({OUTPUT_ALIGNMENT}-byte "
+                                  f"aligned, in order); the slice has {output.byte_size}")
+        if output.offset % OUTPUT_ALIGNMENT:
+            raise InvalidArgument(f"output.offset: must be a multiple of {OUTPUT_ALIGNMENT}; got {output.offset}")
+        out, it = [], iter(places)
+        for dests, _, _ in results:
+            mapping = {}
+            for _ in dests:
+                d, dtype, shape, at, nbytes = next(it)
+                view = self.regions.resolve(output.name, output.offset + at, nbytes, "output")
+                mapping[d] = (output.name, output.offset + at, _view(view, dtype, shape))
+            out.append(mapping)
+        return out
+
+    def _encode(self, result: Result, encoding: str, out=None) -> pb.DistributedValue:
+        if out is None:
+            return pb.DistributedValue(components=[
+                pb.Component(device=self.devices.name(d).canonical, tensor=codec.encode(_host(a), encoding))
                 for d, a in zip(result.devices, result.arrays)
-            ]
-        )
+            ])
+        components = []
+        for d in result.devices:  # the engine wrote each result into its view
+            name, offset, view = out[d]
+            components.append(pb.Component(device=self.devices.name(d).canonical, tensor=pb.Tensor(
+                dtype=codec.dtype_enum(view.dtype), shape=view.shape,
+                region=pb.RegionSlice(name=name, offset=offset, byte_size=view.nbytes))))
+        return pb.DistributedValue(components=components)
+
+
+OUTPUT_ALIGNMENT = 64
+"""Every result component written into an output region starts at a multiple of this."""
+
+
+def _view(data, dtype: np.dtype, shape: tuple[int, ...]):
+    """A region's bytes as an array of ``dtype`` and ``shape`` (numpy, or CuPy for GPU memory)."""
+    if isinstance(data, np.ndarray):
+        return data.view(dtype).reshape(shape)
+    from xreduced.backends.cupy_backend import device_view
+
+    return device_view(data, dtype, shape)
+
+
+def _host(array) -> np.ndarray:
+    """A result as a numpy array (a CuPy one is copied from its GPU)."""
+    return array if isinstance(array, np.ndarray) else array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+def _arrays(outs):
+    """The engine's ``out=``: per result, destination device -> the view to write."""
+    return [None if o is None else {d: view for d, (_, _, view) in o.items()} for o in outs]
 
 
 MAX_TIMEOUT_SECONDS = 86400

@@ -1,0 +1,361 @@
+"""Sessions and the memory regions they register: the zero-copy local transport.
+
+A client opens a session (the ``OpenSession`` stream) and registers regions of
+its memory under names of its own: POSIX shared-memory objects, or CUDA IPC
+memory handles when the backend is CuPy. Requests then name ``(region,
+offset, byte_size)`` instead of carrying bytes, and the daemon reads inputs
+from, and writes results into, the caller's memory.
+
+Rules the table enforces:
+
+* a call can only name regions of its own session (the ``x-xreduce-session``
+  metadata), so one client never reaches another's memory;
+* every slice is checked against its region's size before any byte is read;
+* a region a call is using stays mapped until that call ends, even if it is
+  unregistered meanwhile (it is released after the call);
+* closing a session (the client closed its stream, disconnected, or died)
+  releases every region it registered.
+
+The daemon opens shared-memory objects with its own permissions, by a plain
+name (no ``/`` inside): run it as the user of the training processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import mmap
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
+
+SESSION_METADATA = "x-xreduce-session"
+"""The metadata key that carries a call's session id."""
+
+SHM_DIR = "/dev/shm"
+"""Where POSIX shared-memory objects live on Linux."""
+
+MAX_REGIONS_PER_SESSION = 4096
+MAX_NAME_CHARS = 255
+_KEY = re.compile(r"^/?[A-Za-z0-9._-]{1,250}$")
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """One registered region: its bytes as a flat uint8 array (numpy over a
+    mapping, or cupy over an opened IPC handle)."""
+
+    name: str
+    kind: str
+    key: str
+    offset: int
+    byte_size: int
+    data: Any
+    closer: Any = None
+    in_use: int = 0
+    unregistered: bool = False
+
+    def close(self) -> None:
+        """Unmaps the region (numpy views of it must be gone)."""
+        if self.closer is not None:
+            closer, self.closer = self.closer, None
+            closer()
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    """A client's session: its id and regions; ``closed`` ends its stream."""
+
+    id: str
+    regions: dict[str, Region] = dataclasses.field(default_factory=dict)
+    closed: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> tuple[np.ndarray, Any]:
+    """Maps ``byte_size`` bytes at ``offset`` of the shared-memory object ``key``.
+
+    Returns:
+        (a flat uint8 array over the bytes, a function that unmaps them).
+
+    Raises:
+        InvalidArgument: a bad name, a missing object, a range past its end.
+
+    Example:
+        >>> try:
+        ...     open_shm("../etc/passwd", 0, 1)
+        ... except InvalidArgument as e:
+        ...     print(str(e)[:53])
+        shm_key: must be a shared-memory object name (letters
+    """
+    if not _KEY.match(key) or key.strip("/") in (".", ".."):
+        raise InvalidArgument(f"{field}: must be a shared-memory object name (letters, digits, '.', '_', '-'; "
+                              f"at most 250); got {key!r}")
+    path = os.path.join(SHM_DIR, key.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise InvalidArgument(f"{field}: no shared-memory object {key!r} on the daemon's host (a daemon on "
+                              "another host or in another IPC namespace cannot map it)") from None
+    except OSError as e:
+        raise InvalidArgument(f"{field}: cannot open shared-memory object {key!r}: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if offset + byte_size > size:
+            raise InvalidArgument(f"offset + byte_size: {offset} + {byte_size} = {offset + byte_size} bytes, but "
+                                  f"shared-memory object {key!r} holds {size}")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, offset + byte_size - start, offset=start)
+    finally:
+        os.close(fd)
+    flat = np.frombuffer(mm, np.uint8, byte_size, offset - start)
+
+    def close() -> None:
+        nonlocal flat
+        flat = None
+        with contextlib.suppress(BufferError):  # a stray view: the mapping goes with it
+            mm.close()
+
+    return flat, close
+
+
+def probe_shm(key: str, nonce: bytes) -> str | None:
+    """Why the client's probe object cannot be read here, or None when it holds ``nonce``.
+
+    Example:
+        >>> probe_shm("no-such-object-xyz", b"1234") is not None
+        True
+    """
+    if not nonce:
+        return "no probe was sent"
+    try:
+        flat, close = open_shm(key, 0, len(nonce), "probe_shm_key")
+    except ServiceError as e:
+        return str(e)
+    try:
+        if flat.tobytes() != nonce:
+            return f"probe_shm_key: {key!r} does not hold the probe's bytes (another host's object of that name?)"
+        return None
+    finally:
+        del flat
+        close()
+
+
+_CALL: contextvars.ContextVar[_CallScope | None] = contextvars.ContextVar("xreduce_call_regions", default=None)
+
+
+class _CallScope:
+    """The regions one call pinned; released when the call ends."""
+
+    def __init__(self, table: RegionTable, session_id: str | None):
+        self.table = table
+        self.session_id = session_id
+        self.pinned: list[Region] = []
+
+
+class RegionTable:
+    """Every open session and its regions.
+
+    ``ipc_opener`` (the CuPy backend's ``open_ipc``) opens CUDA IPC handles; without it
+    such registrations are refused.
+
+    Example:
+        >>> table = RegionTable()
+        >>> s = table.open_session()
+        >>> table.list(s.id)
+        []
+        >>> table.close_session(s.id)
+    """
+
+    def __init__(self, ipc_opener=None, max_regions_per_session: int = MAX_REGIONS_PER_SESSION):
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._ipc_opener = ipc_opener
+        self.max_regions_per_session = max_regions_per_session
+
+    @property
+    def cuda_ipc(self) -> bool:
+        """Whether CUDA IPC handles can be registered."""
+        return self._ipc_opener is not None
+
+    def counts(self) -> tuple[int, int]:
+        """(open sessions, registered regions)."""
+        with self._lock:
+            return len(self._sessions), sum(len(s.regions) for s in self._sessions.values())
+
+    def open_session(self) -> Session:
+        """A new session with an unguessable id."""
+        session = Session(secrets.token_urlsafe(24))
+        with self._lock:
+            self._sessions[session.id] = session
+        return session
+
+    def close_session(self, session_id: str) -> None:
+        """Releases every region of the session (those in use, once their calls end)."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return
+            regions = list(session.regions.values())
+            session.regions.clear()
+            session.closed.set()
+        for region in regions:
+            self._release(region)
+
+    def close_all(self) -> None:
+        """Closes every session (the daemon is stopping): their streams end."""
+        with self._lock:
+            ids = list(self._sessions)
+        for session_id in ids:
+            self.close_session(session_id)
+
+    def _session(self, session_id: str | None, field: str) -> Session:
+        if not session_id:
+            raise FailedPrecondition(f"{field}: regions belong to a session; send the {SESSION_METADATA!r} "
+                                     "metadata that OpenSession returned; got none")
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise PermissionDenied(f"{field}: session {session_id[:8]}... is not open (it was closed, or the "
+                                   "daemon restarted); open a new session and register the regions again")
+        return session
+
+    def register(self, session_id: str | None, name: str, kind: str, key: str, offset: int, byte_size: int,
+                 cuda_ipc=None) -> Region:
+        """Maps a region of the caller's and files it under ``name`` in the session.
+
+        Raises:
+            InvalidArgument: a bad name, size or offset, an object that cannot be opened.
+            PermissionDenied: the session is not open.
+        """
+        session = self._session(session_id, "name")
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"name: a region needs a name of 1 to {MAX_NAME_CHARS} characters; got {name!r}")
+        if byte_size <= 0:
+            raise InvalidArgument(f"byte_size: must be positive; got {byte_size}")
+        if offset < 0:
+            raise InvalidArgument(f"offset: must be >= 0; got {offset}")
+        with self._lock:
+            if name in session.regions:
+                raise InvalidArgument(f"name: region {name!r} is already registered in this session; "
+                                      "unregister it first")
+            if len(session.regions) >= self.max_regions_per_session:
+                raise InvalidArgument(f"name: this session already has {len(session.regions)} regions, the most "
+                                      "a session may register")
+        if kind == "shm":
+            data, closer = open_shm(key, offset, byte_size)
+        elif kind == "cuda_ipc":
+            if self._ipc_opener is None:
+                raise InvalidArgument("cuda_ipc: this daemon cannot open CUDA IPC handles (its backend is not "
+                                      "cupy); register shared memory instead")
+            try:
+                opened = self._ipc_opener(bytes(cuda_ipc.mem_handle), cuda_ipc.device_id, offset, byte_size,
+                                          bytes(cuda_ipc.event_handle))
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
+            data, closer = opened.array, opened.close
+            key = f"cuda:{cuda_ipc.device_id}"
+        else:
+            raise InvalidArgument(f"source: set shm_key or cuda_ipc; got {kind or 'neither'}")
+        region = Region(name, kind, key, offset, byte_size, data, closer)
+        with self._lock:
+            if session.closed.is_set() or name in session.regions:
+                region.close()
+                raise InvalidArgument(f"name: region {name!r} was registered meanwhile, or the session closed")
+            session.regions[name] = region
+        return region
+
+    def unregister(self, session_id: str | None, name: str) -> int:
+        """Releases one region (every region with an empty name); returns how many.
+
+        Raises:
+            NotFound: no region of that name in the session.
+        """
+        session = self._session(session_id, "name")
+        with self._lock:
+            if name:
+                region = session.regions.pop(name, None)
+                if region is None:
+                    raise NotFound(f"name: no region {name!r} in this session; it has "
+                                   f"{sorted(session.regions) or 'none'}")
+                regions = [region]
+            else:
+                regions = list(session.regions.values())
+                session.regions.clear()
+        for region in regions:
+            self._release(region)
+        return len(regions)
+
+    def list(self, session_id: str | None) -> list[Region]:
+        """The session's regions, by name."""
+        session = self._session(session_id, "session")
+        with self._lock:
+            return [session.regions[n] for n in sorted(session.regions)]
+
+    def _release(self, region: Region) -> None:
+        with self._lock:
+            region.unregistered = True
+            busy = region.in_use > 0
+        if not busy:
+            region.close()
+
+    @contextlib.contextmanager
+    def call(self, session_id: str | None) -> Iterator[None]:
+        """The scope of one call: regions it resolves stay mapped until it ends."""
+        scope = _CallScope(self, session_id)
+        token = _CALL.set(scope)
+        try:
+            yield
+        finally:
+            _CALL.reset(token)
+            closing = []
+            with self._lock:
+                for region in scope.pinned:
+                    region.in_use -= 1
+                    if region.in_use == 0 and region.unregistered:
+                        closing.append(region)
+            for region in closing:
+                region.close()
+
+    def resolve(self, name: str, offset: int, byte_size: int, field: str) -> Any:
+        """The bytes ``[offset, offset + byte_size)`` of the calling session's
+        region ``name``, pinned for the rest of the call.
+
+        Raises:
+            FailedPrecondition: no session; PermissionDenied: another session's
+            region or a closed session; NotFound: no such region;
+            InvalidArgument: a range outside the region.
+        """
+        scope = _CALL.get()
+        if scope is None:
+            raise FailedPrecondition(f"{field}: regions can only be named inside a call")
+        session = self._session(scope.session_id, field)
+        with self._lock:
+            region = session.regions.get(name)
+            if region is None:
+                if any(name in s.regions for s in self._sessions.values() if s is not session):
+                    raise PermissionDenied(f"{field}.name: region {name!r} belongs to another session; a client can "
+                                           "only name regions it registered")
+                raise NotFound(f"{field}.name: no region {name!r} is registered in this session; it has "
+                               f"{sorted(session.regions) or 'none'}")
+            if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+                raise InvalidArgument(f"{field}: offset {offset} + byte_size {byte_size} is outside region {name!r} "
+                                      f"of {region.byte_size} bytes")
+            region.in_use += 1
+            scope.pinned.append(region)
+            return region.data[offset:offset + byte_size]
+
+
+def session_of(context) -> str | None:
+    """The ``x-xreduce-session`` metadata of a call, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_METADATA:
+            return value
+    return None
