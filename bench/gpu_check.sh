@@ -2,26 +2,31 @@
 # The device-machine check of the CuPy backend, in one unattended run:
 #   1. find a Python that imports cupy (else make a fresh venv and pip install -e '.[gpu,dev]'),
 #   2. print the GPUs (nvidia-smi -L) and the versions in use,
-#   3. pytest -q -m gpu tests/test_cupy_backend.py (with --noconftest: the module needs none of
-#      conftest's fixtures, and so a grpcio/protobuf too old for the stubs fails only the tests
-#      that use the stubs, not the whole session),
-#   4. python bench/reduce_bench.py --backend cupy --devices 8 --min-bytes 1MiB --max-bytes 256MiB,
-# all within BUDGET_S seconds (default 480 = 8 minutes).
+#   3. pytest -q -m gpu tests/test_cupy_backend.py   (at most 150 s)
+#   4. pytest -q -m gpu tests/test_cuda_ipc.py, then tests/test_sdk_cuda_ipc.py (at most 90 s each)
+#      (both with --noconftest: the modules need none of conftest's fixtures, and so a
+#      grpcio/protobuf too old for the stubs fails only the tests that use the stubs),
+#   5. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
+#      device-to-device copy; CUDA IPC from 2 processes through the daemon against in-process
+#      (at most 120 s),
+# each step under its own timeout, all within BUDGET_S seconds (default 420 = 7 minutes): a step
+# gets what is left after keeping time for the later steps, and is skipped below 30 s.
 #
 # Usage (from the repo root or anywhere): bash bench/gpu_check.sh
 # Environment:
 #   PYTHON    interpreter to try first (then .venv/bin/python, python3, python)
-#   BUDGET_S  total seconds for everything (default 480)
-#   OUT       if set, logs land there: pytest.log, junit.xml, bench.log
+#   BUDGET_S  total seconds for everything (default 420)
+#   OUT       if set, logs land there (else /tmp/xreduce-gpu-check): pytest_backend.log,
+#             junit_backend.xml, pytest_ipc.log, junit_ipc.xml, bench.log
 #   VENV      where a fresh venv goes when one is needed (default /tmp/xreduce-gpu-venv)
 # Wheels in .whl/*.whl (carried to the device machine) are installed with --no-index into
 # /tmp/site before the tests run, for packages the machine lacks (e.g. grpcio-health-checking).
-# Exit status: 0 all passed; 1 the GPU tests failed or timed out; 2 no usable Python;
-# 3 the tests passed but the benchmark failed, timed out or found wrong values.
+# Exit status: 0 all passed; 1 GPU tests failed, timed out, or were all skipped; 2 no usable
+# Python; 3 the tests passed but the benchmark failed, timed out or found wrong values.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-420}
 VENV=${VENV:-/tmp/xreduce-gpu-venv}
 LOGS=${OUT:-/tmp/xreduce-gpu-check}
 mkdir -p "$LOGS"
@@ -65,8 +70,12 @@ say "python: $PY ($("$PY" -V 2>&1))"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     say "installing carried wheels into /tmp/site (--no-index --no-deps): $(cd .whl && echo *.whl)"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl; then
+        export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    else
+        say "WARNING: the carried wheels did not install with $PY; going on with what it has"
+    fi
 fi
 
 # --- 2. what we run on ---------------------------------------------------------
@@ -98,44 +107,64 @@ if ! err=$("$PY" -c 'import xreduced.server, xreduce._codec, xreduce.v1.xreduce_
     say "  grpcio/protobuf if too old for the committed stubs: grpcio>=1.85.1, protobuf>=7.35.1)"
 fi
 
-# --- 3. the GPU tests ----------------------------------------------------------
-t_tests=$(min 300 $(($(left) - 90)))
-say "pytest -q -m gpu tests/test_cupy_backend.py (timeout ${t_tests}s)"
-tests_rc=0
-if [ "$t_tests" -lt 30 ]; then
-    say "FAILED: too little time left for the tests"
-    tests_rc=124
-else
-    timeout -k 10 "$t_tests" "$PY" -m pytest -q -m gpu -p no:cacheprovider --noconftest \
-        --junitxml "$LOGS/junit.xml" tests/test_cupy_backend.py >"$LOGS/pytest.log" 2>&1 || tests_rc=$?
-    # The summary (failures, skip reasons, counts) is at the end; keep the output bounded.
-    tail -n 80 "$LOGS/pytest.log"
-fi
-case $tests_rc in
-    0) say "GPU tests: passed" ;;
-    124 | 137) say "GPU tests: TIMED OUT after ${t_tests}s" ;;
-    *) say "GPU tests: FAILED (pytest exit $tests_rc)" ;;
-esac
+# --- 3, 4. the GPU tests ---------------------------------------------------------
+# step_timeout CAP RESERVE: seconds for a step, keeping RESERVE for the steps after it.
+step_timeout() { min "$1" $(($(left) - $2 - 5)); }
 
-# --- 4. the benchmark ----------------------------------------------------------
-t_bench=$(($(left) - 5))
+run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
+    local name=$1 file=$2 t rc=0
+    t=$(step_timeout "$3" "$4")
+    if [ "$t" -lt 30 ]; then
+        say "$file: SKIPPED, only ${t}s left"
+        eval "rc_$name=124"
+        return
+    fi
+    say "pytest -q -m gpu $file (timeout ${t}s)"
+    timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider --noconftest \
+        --junitxml "$LOGS/junit_$name.xml" "$file" >"$LOGS/pytest_$name.log" 2>&1 || rc=$?
+    # The summary (failures, skip reasons, counts) is at the end; keep the output bounded.
+    tail -n 60 "$LOGS/pytest_$name.log"
+    if [ "$rc" -eq 0 ] && ! tail -n 3 "$LOGS/pytest_$name.log" | grep -Eq '[0-9]+ passed'; then
+        say "$file: nothing passed: every test was skipped (the reasons are above)"
+        rc=5
+    fi
+    case $rc in
+        0) say "$file: passed" ;;
+        124 | 137) say "$file: TIMED OUT after ${t}s" ;;
+        *) say "$file: FAILED (pytest exit $rc)" ;;
+    esac
+    eval "rc_$name=$rc"
+}
+
+rc_backend=0
+rc_ipc=0
+rc_sdkipc=0
+run_tests backend tests/test_cupy_backend.py 150 220
+run_tests ipc tests/test_cuda_ipc.py 90 150
+run_tests sdkipc tests/test_sdk_cuda_ipc.py 90 90
+
+# --- 5. the benchmark ------------------------------------------------------------
+t_bench=$(step_timeout 120 0)
 bench_rc=0
-if [ "$t_bench" -lt 20 ]; then
-    say "benchmark: skipped, only ${t_bench}s left"
+if [ "$t_bench" -lt 30 ]; then
+    say "benchmark: SKIPPED, only ${t_bench}s left"
     bench_rc=124
 else
-    say "python bench/reduce_bench.py --backend cupy --devices 8 --min-bytes 1MiB --max-bytes 256MiB (timeout ${t_bench}s)"
-    timeout -k 5 "$t_bench" "$PY" bench/reduce_bench.py --backend cupy --devices 8 \
-        --min-bytes 1MiB --max-bytes 256MiB 2>&1 | tee "$LOGS/bench.log" || bench_rc=$?
+    ipc_timeout=$((t_bench * 2 / 3))
+    say "python bench/gpu_bench.py --ipc-timeout $ipc_timeout (timeout ${t_bench}s)"
+    timeout -k 5 "$t_bench" "$PY" bench/gpu_bench.py --ipc-timeout "$ipc_timeout" 2>&1 \
+        | tee "$LOGS/bench.log" || bench_rc=${PIPESTATUS[0]}
     case $bench_rc in
         0) say "benchmark: done" ;;
+        1) say "benchmark: WRONG VALUES" ;;
         124 | 137) say "benchmark: TIMED OUT after ${t_bench}s" ;;
         *) say "benchmark: FAILED (exit $bench_rc)" ;;
     esac
 fi
 
-say "total $((SECONDS - START))s; tests exit $tests_rc, benchmark exit $bench_rc"
-if [ "$tests_rc" -ne 0 ]; then
+say "total $((SECONDS - START))s; test_cupy_backend exit $rc_backend, test_cuda_ipc exit $rc_ipc," \
+    "test_sdk_cuda_ipc exit $rc_sdkipc, benchmark exit $bench_rc"
+if [ "$rc_backend" -ne 0 ] || [ "$rc_ipc" -ne 0 ] || [ "$rc_sdkipc" -ne 0 ]; then
     exit 1
 elif [ "$bench_rc" -ne 0 ]; then
     exit 3

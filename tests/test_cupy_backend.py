@@ -253,6 +253,24 @@ def test_bfloat16_divide_every_bit_pattern(gpu, n, nonfinite):
     _assert_same(got, NumpyBackend(1).divide(a, n), f"bfloat16 / {n}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "complex64"])
+def test_float32_subnormals_are_kept(gpu, dtype):
+    """CuPy's kernels flush float32 subnormals; sums and means must not (numpy keeps them)."""
+    rng = np.random.default_rng(7)
+    tiny = rng.integers(0, 1 << 23, 4096, dtype=np.uint32).view(np.float32)  # every one subnormal or zero
+    signs = np.where(rng.random(4096) < 0.5, np.float32(-1), np.float32(1))
+    a = np.concatenate([tiny * signs, np.float32([1e-38, -1.2e-38, 3.4e38, 0.0])])
+    b = rng.permutation(a)
+    if dtype == "complex64":
+        a, b = a[::2] + 1j * a[1::2], b[::2] + 1j * b[1::2]
+        a, b = a.astype(np.complex64), b.astype(np.complex64)
+    host = NumpyBackend(2)
+    got = gpu.download(gpu.add(gpu.upload(0, a), gpu.copy(gpu.upload(1, b), 0)))
+    _assert_same(got, host.add(a, b), f"{dtype} add with subnormals")
+    for n in (2, 3, 8):
+        _assert_same(gpu.download(gpu.divide(gpu.upload(2, a), n)), host.divide(a, n), f"{dtype} / {n}")
+
+
 # --- NaN and inf in IEEE floats --------------------------------------------
 
 
@@ -375,6 +393,37 @@ def test_copy_round_trip(gpu, dtype, shape):
         out = gpu.copy(src, dst)
         _assert_same(gpu.download(out), x, f"copy 0 -> {dst}")
     _assert_same(gpu.download(src), x, "source after copies")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex128", "int8", "float16"])
+def test_device_arrays_in_and_out(gpu, dtype):
+    """upload of a device array (what a CUDA IPC region view is) and write to host and device arrays."""
+    import cupy
+
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    shape = (7, 143)
+    x = _random(_rng("device", dtype), dt, shape)
+    raw = cupy.asarray(x.view(f"u{dt.itemsize}") if dtype == "bfloat16" else x).reshape(-1).view(cupy.uint8)
+    cupy.cuda.Device().synchronize()  # the backend's streams do not wait on the null stream
+    view = cupy_backend.device_view(raw, dt, shape)
+    assert view.shape == shape and np.dtype(view.dtype) == dt
+    buf = gpu.upload(3, view)
+    _assert_same(gpu.download(buf), x, f"upload of a device {dtype} array")
+    host = np.empty(shape, dt)
+    flat = np.empty(x.size, dt)
+    device_out = cupy.zeros(x.nbytes, cupy.uint8)
+    gpu.write(host, buf)
+    gpu.write(flat, buf)
+    gpu.write(cupy_backend.device_view(device_out, dt, shape), buf)
+    again = np.empty(shape, dt)
+    gpu.write(again, view)  # a raw device array (the one-replica shortcut)
+    gpu.synchronize()
+    _assert_same(host, x, "write into a host array")
+    _assert_same(flat.reshape(shape), x, "write into a host array of another shape")
+    _assert_same(device_out.get().view(dt).reshape(shape), x, "write into a device array")
+    _assert_same(again, x, "write of a device array")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gpu.upload(0, cupy.zeros((4, 4), cupy.float32)[:, 1])
 
 
 # --- the daemon on the GPU -------------------------------------------------
