@@ -1,7 +1,8 @@
 """The ``xreduce`` command: tools around the daemon.
 
 ``xreduce plan`` prints the plan the daemon would run, step by step;
-``xreduce status`` shows a running daemon's devices, limits and counters.
+``xreduce status`` shows a running daemon's devices, limits and counters;
+``xreduce bench`` sweeps a collective over sizes, nccl-tests style, against peers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
+
+from xreduce import _bench
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -165,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Example (shell):
         $ xreduce plan --devices 8 --num-packs 2 --bytes 1MiB
         $ xreduce status --address 127.0.0.1:50551 --json
+        $ xreduce bench --embedded --processes 4 --max-bytes 64MiB --peers --echo
     """
     p = argparse.ArgumentParser(prog="xreduce", description="xreduce tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -185,7 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")
     status.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
+    bench = sub.add_parser(
+        "bench", help="sweep a collective over sizes, nccl-tests style, against gloo and MPI",
+        description="Sweeps a collective of the daemon over sizes with P worker processes of D devices each and "
+        "prints nccl-tests-style rows: size, count, type, redop, time (median over iterations of the slowest "
+        "process), algbw = size / time and busbw = algbw x 2(n-1)/n for all_reduce (x 1 for reduce and "
+        "broadcast), n = P x D. --peers runs torch.distributed gloo and mpi4py under mpirun on the same sizes "
+        "with n ranks, --echo a raw grpcio unary echo on the daemon's transport, and prints time ratios.")
+    _bench.add_arguments(bench, parse_bytes)
     args = p.parse_args(argv)
+    if args.command == "bench":
+        return _bench.run(bench, args)
     if args.command == "status":
         if not args.timeout > 0:
             p.error(f"--timeout must be positive; got {args.timeout}")
