@@ -264,6 +264,59 @@ def test_host_values_never_import_cupy():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def daemon8():
+    """A cupy daemon with the 8 logical devices the conformance vectors use."""
+    with tempfile.TemporaryDirectory(prefix="xr-ipc8-") as tmp:
+        proc = DaemonProcess(["--listen", f"unix:{tmp}/xreduced.sock", "--backend", "cupy", "--virtual-devices", "8"],
+                             env={"PYTHONPATH": checkout_env()["PYTHONPATH"]}, timeout=60)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+
+
+@_gpu_test(timeout=400)
+def test_conformance_vectors_over_cuda_ipc(daemon8):
+    """Every reduce and batch_reduce case of the conformance vectors, CuPy values through CUDA IPC
+    (device CPU:i of a case is GPU:i here), bit-exact against TF's numbers."""
+    import cupy
+    import xreduce
+    from xreduce import _ipc
+    from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, PerReplica
+
+    doc = json.loads((HERE.parent / "conformance" / "cases.json").read_text())
+    arrays = np.load(HERE.parent / "conformance" / "arrays.npz")
+    ops: dict[int, HierarchicalCopyAllReduce] = {}
+    through_ipc = checked = 0
+    for case in doc["cases"]:
+        if case["call"] == "broadcast":
+            continue
+        k = case["num_packs"]
+        ops.setdefault(k, HierarchicalCopyAllReduce(num_packs=k, address=daemon8.address, transport="shm"))
+        op = case["reduce_op"] or case["reduce_op_python"].strip("'\"")
+        values = [PerReplica([cupy.asarray(arrays[key]) for key in v["keys"]],
+                             devices=[f"GPU:{d}" for d in v["devices"]]) for v in case["values"]]
+        specs = [case["destinations"]] if case["call"] == "reduce" else case["destinations"]
+        pairs = [(v, v if d == "same" else [f"GPU:{i}" for i in d]) for v, d in zip(values, specs)]
+        results = ([ops[k].reduce(op, *pairs[0])] if case["call"] == "reduce" else ops[k].batch_reduce(op, pairs))
+        assert len(results) == len(case["expected"]), case["id"]
+        for got, want in zip(results, case["expected"]):
+            if len(want["devices"]) > 1:
+                assert isinstance(got, Mirrored), case["id"]
+                assert list(got.devices) == [xreduce.canonical(f"GPU:{d}") for d in want["devices"]], case["id"]
+            for arr, key in zip(_values(got), want["keys"]):
+                if isinstance(arr, cupy.ndarray) and isinstance(getattr(arr.data.mem, "_owner", None), _ipc._Lease):
+                    through_ipc += 1
+                host = cupy.asnumpy(arr) if isinstance(arr, cupy.ndarray) else np.asarray(arr)
+                expected = arrays[key]
+                assert (host.dtype, host.shape) == (expected.dtype, expected.shape), case["id"]
+                assert host.tobytes() == expected.tobytes(), f"{case['id']}: {host!r} != {expected!r}"
+                checked += 1
+    # Batches holding an empty tensor take the host path (CUDA IPC needs non-empty arrays); the rest use IPC.
+    assert checked > 500 and through_ipc >= 200, (checked, through_ipc)
+
+
 @_gpu_test(timeout=200)
 def test_two_processes_reduce_cupy_values_through_ipc(daemon):
     group = f"sdk-ipc-{uuid.uuid4().hex[:8]}"
