@@ -3,7 +3,7 @@
 #   1. find a Python that imports cupy (else make a fresh venv and pip install -e '.[gpu,dev]'),
 #   2. print the GPUs (nvidia-smi -L) and the versions in use,
 #   3. pytest -q -m gpu tests/test_cupy_backend.py   (at most 150 s)
-#   4. pytest -q -m gpu tests/test_cuda_ipc.py (at most 90 s), then tests/test_sdk_cuda_ipc.py (200 s)
+#   4. pytest -q -m gpu tests/test_cuda_ipc.py (at most 90 s), then tests/test_sdk_cuda_ipc.py (150 s)
 #      (both with --noconftest: the modules need none of conftest's fixtures, and so a
 #      grpcio/protobuf too old for the stubs fails only the tests that use the stubs),
 #   5. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
@@ -139,9 +139,9 @@ run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
 rc_backend=0
 rc_ipc=0
 rc_sdkipc=0
-run_tests backend tests/test_cupy_backend.py 150 330
-run_tests ipc tests/test_cuda_ipc.py 90 260
-run_tests sdkipc tests/test_sdk_cuda_ipc.py 200 90
+run_tests backend tests/test_cupy_backend.py 150 250
+run_tests ipc tests/test_cuda_ipc.py 90 190
+run_tests sdkipc tests/test_sdk_cuda_ipc.py 150 70
 
 # --- 5. the benchmark ------------------------------------------------------------
 t_bench=$(step_timeout 120 0)
