@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import xreduce
-from daemon import DaemonProcess
+from daemon import DaemonProcess, checkout_env
 from xreduce import _shm
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
@@ -357,7 +357,8 @@ def test_the_sdk_sends_no_tensor_bytes_over_shared_memory(d, stub, monkeypatch, 
 
 
 def test_shared_arrays_are_not_copied_and_results_are_views_of_the_output(d, stub, monkeypatch):
-    a, b = xreduce.shared_array(4096, "float32"), xreduce.shared_array(4096, "float32")
+    n = _shm.COPY_RESULTS_UP_TO // 4 + 1024  # results over the copy threshold stay views of the output
+    a, b = xreduce.shared_array(n, "float32"), xreduce.shared_array(n, "float32")
     a[:], b[:] = 1.0, 2.0
     ops = HierarchicalCopyAllReduce(address=d.address, transport="shm")
     transport = ops.client.shared_memory()
@@ -365,13 +366,14 @@ def test_shared_arrays_are_not_copied_and_results_are_views_of_the_output(d, stu
     acquire = transport._staging.acquire
     monkeypatch.setattr(transport._staging, "acquire", lambda n: staged.append(n) or acquire(n))
     got = ops.reduce("sum", PerReplica([a, b], devices=DEVICES), DEVICES)
-    assert got.values[0].tolist() == [3.0] * 4096
+    assert got.values[0].tolist() == [3.0] * n
     assert staged == [], "nothing was copied into staging"
     names = [r.name for r in stub.ListRegions(pb.ListRegionsRequest(), metadata=transport.metadata(),
                                               timeout=10).regions]
     assert _shm.find(a)[0] in names and _shm.find(b)[0] in names
-    ops.reduce("sum", PerReplica([np.ones(4), np.ones(4)], devices=DEVICES), DEVICES)
+    small = ops.reduce("sum", PerReplica([np.ones(4), np.ones(4)], devices=DEVICES), DEVICES)
     assert staged == [64 + 32], "plain arrays are staged"
+    assert small.values[0].base is None, "a small result is copied out: it pins no segment"
     assert isinstance(got.values[0].base, np.ndarray), "a view of the output segment, not a copy"
     # A result keeps its output segment busy: the next call gets another one, and the first stays intact.
     again = ops.reduce("sum", PerReplica([b, b], devices=DEVICES), DEVICES)
@@ -407,3 +409,168 @@ def test_the_sdk_reopens_its_session_after_a_daemon_restart(tmp_path):
         assert ops.client.shared_memory().session() is not old
     finally:
         proc.terminate()
+
+
+# --- what a review found --------------------------------------------------------------------------------------------
+
+
+def test_symlinks_and_shrunk_objects_are_refused_and_the_daemon_survives(d, stub, session, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s3cret!!" * 512)
+    link = f"xrt-link-{os.getpid()}-{time.monotonic_ns()}"
+    os.symlink(secret, f"/dev/shm/{link}")
+    try:
+        code, details = code_and_details(lambda: stub.RegisterRegion(pb.RegisterRegionRequest(
+            name="link", shm_key=link, byte_size=16), metadata=session.md, timeout=10))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "is a symbolic link" in details
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+    seg = session.segment(1 << 16)
+    os.truncate(f"/dev/shm/{seg.name}", 0)  # would be a SIGBUS in the daemon at the next read
+    code, details = code_and_details(lambda: stub.Reduce(reduce_request(seg.name, 4), metadata=session.md,
+                                                         timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "shrank" in details
+    assert_serves(stub)
+
+
+def test_threads_sharing_a_new_shared_array_register_it_once(d):
+    x = xreduce.shared_array(1000, "float32")
+    x[:] = 1.0
+    ops = HierarchicalCopyAllReduce(address=d.address, transport="shm")
+    value = PerReplica([x, x], devices=DEVICES)
+    errors, results = [], []
+
+    def work():
+        try:
+            results.append(float(ops.reduce("sum", value, "CPU:0")[0]))
+        except Exception as e:  # collected: the assertion below names it
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and results == [2.0] * 8
+
+
+def test_a_forked_child_leaves_its_parents_segments_alone(d):
+    """A child forked after the SDK was used exits normally (atexit, finalizers): the parent's
+    segments and regions must survive it. Run in a fresh process, away from pytest's threads."""
+    code = f"""
+import os, sys, numpy as np, xreduce
+from xreduce import _shm
+from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
+x = xreduce.shared_array(1000, "float32")
+x[:] = 2.0
+ops = HierarchicalCopyAllReduce(address={d.address!r}, transport="shm")
+value = PerReplica([x, x], devices=["CPU:0", "CPU:1"])
+assert ops.reduce("sum", value, "CPU:0")[0] == 4.0
+pid = os.fork()
+if pid == 0:
+    del value, x
+    sys.exit(0)  # a normal exit: atexit handlers and finalizers run in the child
+_, status = os.waitpid(pid, 0)
+print(status, os.path.exists("/dev/shm/" + _shm.find(x)[0]), ops.reduce("sum", value, "CPU:0")[0], flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=checkout_env(),
+                          timeout=60)
+    assert done.stdout.split() == ["0", "True", "4.0"], done.stderr
+
+
+def test_too_many_sessions_fall_back_to_the_wire(tmp_path):
+    proc = DaemonProcess(["--listen", f"unix:{tmp_path}/s.sock", "--virtual-devices", "2", "--workers", "4"])
+    code = f"""
+import numpy as np, sys, xreduce
+from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
+ops = HierarchicalCopyAllReduce(address={f"unix:{tmp_path}/s.sock"!r}, transport=sys.argv[1])
+print(ops.reduce("sum", PerReplica([np.ones(3)] * 2, devices=["CPU:0", "CPU:1"]), "CPU:0")[0], flush=True)
+print(ops.client.shared_memory() is not None, flush=True)
+sys.stdin.read()
+"""
+    children = []
+    try:
+        for _ in range(2):  # --workers 4: two sessions at most
+            children.append(subprocess.Popen([sys.executable, "-c", code, "shm"], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, env=checkout_env()))
+            assert children[-1].stdout.readline().strip() == "2.0"
+            assert children[-1].stdout.readline().strip() == "True"
+        third = subprocess.run([sys.executable, "-c", code, "auto"], input="", capture_output=True, text=True,
+                               env=checkout_env(), timeout=60)
+        assert third.stdout.split() == ["2.0", "False"], third.stderr
+        insist = subprocess.run([sys.executable, "-c", code, "shm"], input="", capture_output=True, text=True,
+                                env=checkout_env(), timeout=60)
+        assert insist.returncode != 0 and "sessions are open, the most this daemon serves" in insist.stderr
+    finally:
+        for c in children:
+            c.kill()
+            c.wait(10)
+        proc.terminate()
+
+
+def test_sigterm_ends_sessions_instead_of_waiting_out_the_grace(tmp_path):
+    proc = DaemonProcess(["--listen", f"unix:{tmp_path}/g.sock", "--virtual-devices", "2", "--grace-seconds", "120"])
+    code = f"""
+import numpy as np, sys, xreduce
+from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
+ops = HierarchicalCopyAllReduce(address={f"unix:{tmp_path}/g.sock"!r}, transport="shm")
+print(ops.reduce("sum", PerReplica([np.ones(3)] * 2, devices=["CPU:0", "CPU:1"]), "CPU:0")[0], flush=True)
+sys.stdin.read()
+"""
+    client = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=checkout_env())
+    try:
+        assert client.stdout.readline().strip() == "2.0"
+        # A bounded wait far below the grace: the open session must not hold the daemon for 120 s.
+        assert proc.terminate(timeout=60) == 0
+    finally:
+        client.kill()
+        client.wait(10)
+
+
+def _desync_worker(address: str, group: str, pid: int, fail: bool, queue) -> None:
+    """Three collectives; in process ``fail``, staging the first one fails on this side (a full /dev/shm)."""
+    os.environ.update(XREDUCE_ADDRESS=address, XREDUCE_GROUP=group)
+    from xreduce import distribution
+    from xreduce.distribute import CommunicationOptions
+
+    info = distribution.initialize(num_processes=2, process_id=pid)
+    del info
+    from xreduce._client import process_group
+
+    devices = list(process_group().local_devices)
+    if fail:
+        stage = _shm.Transport.stage
+
+        def full_once(self, arrays):
+            _shm.Transport.stage = stage
+            raise OSError(28, "No space left on device")
+
+        _shm.Transport.stage = full_once
+    ops = HierarchicalCopyAllReduce(transport="shm")
+    out = []
+    for step in range(3):
+        value = PerReplica([np.full(4, (pid + 1) * 10 ** step, np.float32)] * len(devices), devices=devices)
+        try:
+            got = ops.reduce("sum", value, value, options=CommunicationOptions(timeout_seconds=30))
+            out.append(float(got.values[0][0]))
+        except Exception as e:  # reported to the test, which names what it expected
+            out.append(type(e).__name__)
+    queue.put((pid, out))
+
+
+def test_a_failure_on_one_side_aborts_the_collective_and_the_next_ones_pair_up(d):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    group = f"desync-{os.getpid()}-{time.monotonic_ns()}"
+    procs = [ctx.Process(target=_desync_worker, args=(d.address, group, pid, pid == 1, queue)) for pid in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(30)
+    # Each process has 2 of the daemon's 4 devices: 2 x 10**step from process 0, 2 x 2 x 10**step from process 1.
+    assert results[1] == ["OSError", 60.0, 600.0]
+    assert results[0] == ["AbortedError", 60.0, 600.0], "the others fail at once, and the next collectives pair up"

@@ -254,7 +254,7 @@ class Client:
             return transport
         if mode == "shm":
             raise ValueError(f"transport='shm' but the daemon at {self.address} cannot read this host's shared "
-                             f"memory: {transport.reason}")
+                             f"memory: {transport.reason or transport.last_error}")
         return None
 
     def _clone(self) -> Client:

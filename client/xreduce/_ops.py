@@ -6,6 +6,7 @@ itself runs in the daemon, whose errors arrive as :class:`xreduce.XReduceError`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from xreduce import _ipc, _shm, _streaming
 from xreduce._arrays import device_of, is_tensor, to_host
 from xreduce._client import Client, process_group
 from xreduce._devices import canonical
+from xreduce._errors import XReduceError
 from xreduce._values import DistributedValues, Mirrored, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 
@@ -268,22 +270,30 @@ class CrossDeviceOps:
             restore = host.restore
             if source:
                 request.source_device = canonical(host.device) if host.device else names[0]
-        shm = self._client.shared_memory() if source else None
-        free, result, metadata = (lambda: None), codec.decode, ()
-        try:
-            if shm is not None:
-                (staged,), free = shm.stage([host.array])
-                request.tensor.CopyFrom(staged)
-                output, result = shm.output(_shm.output_bytes([(len(dests), host.array.dtype, host.array.shape)]))
-                request.output.CopyFrom(output)
-                metadata = shm.metadata()
-            elif source:
-                request.tensor.CopyFrom(codec.encode(host.array))
-            if group is not None:  # taken last: a failure before the call must not skip a sequence number
-                request.collective.CopyFrom(group.next_spec())
-            reply = self._client.call("Broadcast", request, None, metadata)
-        finally:
-            free()
+        with _collective(self._client, group) as spec:
+            if spec is not None:
+                request.collective.CopyFrom(spec)
+            shm = self._client.shared_memory() if source else None
+            free, result, metadata = (lambda: None), codec.decode, ()
+            try:
+                if shm is not None:
+                    try:
+                        (staged,), free = shm.stage([host.array])
+                        output, result = shm.output(
+                            _shm.output_bytes([(len(dests), host.array.dtype, host.array.shape)]))
+                    except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
+                        if self._client.transport == "shm":
+                            raise
+                        shm = None
+                if shm is not None:
+                    request.tensor.CopyFrom(staged)
+                    request.output.CopyFrom(output)
+                    metadata = shm.metadata()
+                elif source:
+                    request.tensor.CopyFrom(codec.encode(host.array))
+                reply = self._client.call("Broadcast", request, None, metadata)
+            finally:
+                free()
         return _regroup(reply.result, restore, result)
 
     def _local_names(self) -> Sequence[str]:
@@ -332,16 +342,25 @@ class CrossDeviceOps:
             fields["timeout"] = duration_pb2.Duration()
             fields["timeout"].FromNanoseconds(int(options.timeout_seconds * 1e9))
             timeout = options.timeout_seconds + 5.0  # the daemon's own deadline message comes first
+        with _collective(self._client, group) as spec:
+            if spec is not None:
+                fields["collective"] = spec
+            return self._batch_to_daemon(op, wire, fields, single, timeout, group)
+
+    def _batch_to_daemon(self, op: ReduceOp, wire, fields: dict, single: bool, timeout: float | None,
+                         group) -> list[Any]:
         shm = self._client.shared_memory()
         if shm is not None:
-            return self._batch_shm(shm, op, wire, fields, single, timeout, group)
+            try:
+                return self._batch_shm(shm, op, wire, fields, single, timeout)
+            except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
+                if self._client.transport == "shm":
+                    raise
         if group is None:
             hosts = [v.hosts() for v, _, _ in wire]
             if sum(h.array.nbytes for hs in hosts for h in hs) > _streaming.STREAM_THRESHOLD_BYTES:
                 return self._batch_streamed(hosts, wire, fields, timeout)
         values = [_encode_value(v, devs) for v, devs, _ in wire]
-        if group is not None:  # taken last: a failure before the call must not skip a sequence number
-            fields["collective"] = group.next_spec()
         if single:
             (value, _, dests), = wire
             request = pb.ReduceRequest(value=values[0], destinations=dests, **fields)
@@ -368,7 +387,7 @@ class CrossDeviceOps:
         return out
 
     def _batch_shm(self, shm: _shm.Transport, op: ReduceOp, wire, fields: dict, single: bool,
-                   timeout: float | None, group) -> list[Any]:
+                   timeout: float | None) -> list[Any]:
         """``_batch`` through shared memory: regions in, results written into an output region.
 
         CuPy values travel as CUDA IPC regions instead when the daemon can open them
@@ -397,8 +416,6 @@ class CrossDeviceOps:
                 for (_, _, dests), first in zip(wire, firsts)
             ]))
             metadata = shm.metadata()
-            if group is not None:
-                fields["collective"] = group.next_spec()
             if single:
                 (_, _, dests), = wire
                 request = pb.ReduceRequest(value=values[0], destinations=dests, output=output, **fields)
@@ -437,6 +454,27 @@ def _encode_value(value: DistributedValues, devices: Sequence[str]) -> pb.Distri
     return pb.DistributedValue(components=[
         pb.Component(device=d, tensor=codec.encode(h.array)) for d, h in zip(devices, value.hosts())
     ])
+
+
+@contextlib.contextmanager
+def _collective(client: Client, group):
+    """The next collective of this process's group (None without one), its sequence number
+    taken first: when something fails on this side before the daemon answers, the collective
+    is abandoned for every process (they get AbortedError at once) instead of the next call
+    of this process meeting the others' current one."""
+    spec = group.next_spec() if group is not None else None
+    try:
+        yield spec
+    except XReduceError:
+        # The daemon answered: it failed the collective for the others where it must. (A refusal before
+        # the collective call, e.g. of a region, leaves the others to their timeout; the number is spent.)
+        raise
+    except BaseException:
+        if spec is not None:
+            # A request the daemon rejects (no reduce op) fails the collective for every process.
+            with contextlib.suppress(Exception):
+                client.call("BatchReduce", pb.BatchReduceRequest(collective=spec), 10.0)
+        raise
 
 
 def _result_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:

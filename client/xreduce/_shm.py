@@ -25,14 +25,17 @@ import contextlib
 import math
 import mmap
 import os
+import queue
 import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker
 
+import grpc
 import numpy as np
 
+from xreduce._errors import XReduceError
 from xreduce.v1 import xreduce_pb2 as pb
 
 SHM_DIR = "/dev/shm"
@@ -44,6 +47,8 @@ OUTPUT_ALIGNMENT = 64
 """The daemon places each result component at a multiple of this (its ``OUTPUT_ALIGNMENT``)."""
 MIN_SEGMENT_BYTES = 1 << 20
 FREE_SEGMENTS_KEPT = 4
+COPY_RESULTS_UP_TO = 64 << 10
+"""Results up to this size are copied out of the output segment; larger ones are views of it."""
 """Free staging/output segments a client keeps mapped for the next calls."""
 
 
@@ -64,11 +69,15 @@ class Segment:
     """
 
     def __init__(self, size: int, prefix: str):
-        self.name = f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        self.pid = os.getpid()
+        self.name = f"{prefix}-{self.pid}-{secrets.token_hex(8)}"
         self.size = size
         fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            # Reserve the pages now: on a full /dev/shm this raises ENOSPC, where a write into an
+            # unreserved page would kill the process with SIGBUS.
+            os.posix_fallocate(fd, 0, size)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(fd, size, flags=flags)
         except BaseException:
@@ -94,6 +103,41 @@ def unlink(name: str) -> None:
         resource_tracker.unregister("/" + name, "shared_memory")
 
 
+# Work that finalizers hand over: they may run inside any allocation (the garbage collector), maybe
+# while this thread holds one of the locks below, so they only put it here (SimpleQueue.put is safe
+# there), and it runs outside every lock: in a background thread, and at the start of the next call.
+_pending: queue.SimpleQueue = queue.SimpleQueue()
+_worker: list[tuple[int, threading.Thread] | None] = [None]
+
+
+def _later(fn: Callable, *args) -> None:
+    _pending.put((fn, args))
+
+
+def _run_pending() -> None:
+    while True:
+        fn, args = _pending.get()
+        with contextlib.suppress(Exception):
+            fn(*args)
+
+
+def drain() -> None:
+    """Runs the work finalizers handed over (unlinking freed segments, returning output
+    segments), and makes sure this process's background thread runs later work."""
+    worker = _worker[0]
+    if worker is None or worker[0] != os.getpid():
+        thread = threading.Thread(target=_run_pending, name="xreduce-shm-release", daemon=True)
+        thread.start()
+        _worker[0] = (os.getpid(), thread)
+    while True:
+        try:
+            fn, args = _pending.get_nowait()
+        except queue.Empty:
+            return
+        with contextlib.suppress(Exception):
+            fn(*args)
+
+
 # Segments of shared_array(), by address, so that any array can be traced to its segment.
 _registry_lock = threading.Lock()
 _starts: list[int] = []
@@ -112,7 +156,7 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
         dtype: any dtype the daemon reduces (see ``xreduce.SUPPORTED_DTYPES``).
 
     Raises:
-        OSError: no shared memory on this host (``/dev/shm``), or it is full.
+        OSError: no shared memory on this host (``/dev/shm``), or not enough room in it (ENOSPC).
 
     Example:
         >>> import xreduce
@@ -121,6 +165,7 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
         >>> x.sum(), x.dtype
         (np.float32(9.0), dtype('float32'))
     """
+    drain()
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -130,12 +175,15 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
         bisect.insort(_starts, seg.address)
         _entries[seg.address] = (seg.name, seg.size, weakref.ref(seg.base))
         _users[seg.name] = weakref.WeakSet()
-    weakref.finalize(seg.base, _forget, seg.address, seg.name)
+    weakref.finalize(seg.base, _later, _forget, seg.pid, seg.address, seg.name)
     return array
 
 
-def _forget(address: int, name: str) -> None:
-    """The last view of a shared_array segment is gone: unregister it everywhere, unlink it."""
+def _forget(pid: int, address: int, name: str) -> None:
+    """The last view of a shared_array segment is gone: unregister it everywhere, unlink it.
+    (Not in a forked child: the segment is its parent's.)"""
+    if os.getpid() != pid:
+        return
     with _registry_lock:
         i = bisect.bisect_left(_starts, address)
         if i < len(_starts) and _starts[i] == address:
@@ -193,6 +241,8 @@ class _Pool:
         return Segment(max(MIN_SEGMENT_BYTES, 1 << max(nbytes - 1, 1).bit_length()), self._prefix)
 
     def release(self, seg: Segment) -> None:
+        if seg.pid != os.getpid():  # a forked child's copy: the segment is its parent's
+            return
         with self._lock:
             drop = []
             if self._closed:
@@ -270,7 +320,10 @@ class Transport:
         self._session: Session | None = None
         self.reason: str | None = None
         """Why the daemon cannot use this host's shared memory, once known."""
+        self.last_error: str | None = None
+        """Why the last attempt to open a session failed, when it failed for the time being."""
         self._registered: set[str] = set()
+        self._registering = threading.Lock()  # one RegisterRegion per name, whatever the threads
         self._staging = _Pool(self._drop, "xrs")
         self._outputs = _Pool(self._drop, "xro")
 
@@ -287,7 +340,16 @@ class Transport:
         not, the session is closed and :attr:`reason` says why."""
         if self.reason is not None:
             return False
-        session = self.session()
+        try:
+            session = self.session()
+        except XReduceError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon from before sessions: the wire, for good
+                self.reason = str(e)
+                return False
+            if e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED):
+                self.last_error = str(e)
+                return False  # no session now (too many, or the daemon is stopping): the wire, this time
+            raise
         if session.shared_memory:
             return True
         self.reason = session.error or "the daemon did not say why"
@@ -300,9 +362,12 @@ class Transport:
         return ((SESSION_METADATA, self.session().id),)
 
     def _register(self, name: str, size: int) -> None:
-        self._call("RegisterRegion", pb.RegisterRegionRequest(name=name, shm_key=name, offset=0, byte_size=size),
-                   self.metadata())
-        self._registered.add(name)
+        with self._registering:
+            if name in self._registered:
+                return
+            self._call("RegisterRegion", pb.RegisterRegionRequest(name=name, shm_key=name, offset=0,
+                                                                  byte_size=size), self.metadata())
+            self._registered.add(name)
 
     def _acquire(self, pool: _Pool, nbytes: int) -> Segment:
         seg = pool.acquire(nbytes)
@@ -320,9 +385,11 @@ class Transport:
         seg.unlink()
 
     def _unregister(self, name: str) -> None:
-        if name in self._registered:
+        with self._registering:
+            if name not in self._registered:
+                return
             self._registered.discard(name)
-            self._call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), self.metadata())
+        self._call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), self.metadata())
 
     def forget(self, name: str) -> None:
         """A shared_array segment was freed: release it in the daemon."""
@@ -337,6 +404,7 @@ class Transport:
         """
         from xreduce import _codec as codec
 
+        drain()
         placed: list[tuple[str, int, int] | None] = []
         need = 0
         for a in arrays:
@@ -372,9 +440,10 @@ class Transport:
         """
         from xreduce import _codec as codec
 
+        drain()
         seg = self._acquire(self._outputs, max(nbytes, 1))
         hold = np.frombuffer(seg.mm, np.uint8, seg.size)  # views of it keep the segment busy
-        weakref.finalize(hold, self._outputs.release, seg)
+        weakref.finalize(hold, _later, self._outputs.release, seg)
 
         def result(tensor: pb.Tensor) -> np.ndarray:
             if not tensor.HasField("region"):
@@ -384,7 +453,9 @@ class Transport:
             if r.name != seg.name or r.offset + r.byte_size > seg.size:
                 raise ValueError(f"the daemon placed a result at {r.name}[{r.offset}:+{r.byte_size}], outside the "
                                  f"output segment {seg.name} of {seg.size} bytes")
-            return hold[r.offset:r.offset + r.byte_size].view(dtype).reshape(shape)
+            view = hold[r.offset:r.offset + r.byte_size].view(dtype).reshape(shape)
+            # A small result kept for long (a loss per step) must not pin a whole segment: copy it.
+            return view.copy() if r.byte_size <= COPY_RESULTS_UP_TO else view
 
         return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), result
 
@@ -417,12 +488,26 @@ def transport_for(key: tuple, make_client: Callable) -> Transport:
 @atexit.register
 def close_all() -> None:
     """Ends every session of this process and unlinks its segments (also run at exit)."""
+    drain()
     with _transports_lock:
-        transports = list(_transports.values())
+        transports = [t for key, t in _transports.items() if key[0] == os.getpid()]
         _transports.clear()
     for transport in transports:
         with contextlib.suppress(Exception):
             transport.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's sessions; its parent's segments are not its to free."""
+    global _transports_lock, _registry_lock, _pending
+    _transports.clear()
+    _pending = queue.SimpleQueue()
+    _worker[0] = None
+    _transports_lock = threading.Lock()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def output_bytes(results: Sequence[tuple[int, np.dtype, tuple[int, ...]]]) -> int:

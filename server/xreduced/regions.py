@@ -25,14 +25,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 
 from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
@@ -48,6 +51,12 @@ MAX_NAME_CHARS = 255
 _KEY = re.compile(r"^/?[A-Za-z0-9._-]{1,250}$")
 
 
+class SessionsExhausted(ServiceError):
+    """No session can be opened now."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 @dataclasses.dataclass(eq=False)
 class Region:
     """One registered region: its bytes as a flat uint8 array (numpy over a
@@ -60,6 +69,7 @@ class Region:
     byte_size: int
     data: Any
     closer: Any = None
+    check: Any = None
     in_use: int = 0
     unregistered: bool = False
 
@@ -79,14 +89,16 @@ class Session:
     closed: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> tuple[np.ndarray, Any]:
+def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> tuple[np.ndarray, Any, Any]:
     """Maps ``byte_size`` bytes at ``offset`` of the shared-memory object ``key``.
 
     Returns:
-        (a flat uint8 array over the bytes, a function that unmaps them).
+        (a flat uint8 array over the bytes, a function that unmaps them, a function that
+        raises InvalidArgument if the object has shrunk since).
 
     Raises:
         InvalidArgument: a bad name, a missing object, a range past its end.
+        PermissionDenied: not a regular object of the daemon's user (a symlink, another user's).
 
     Example:
         >>> try:
@@ -100,21 +112,29 @@ def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> t
                               f"at most 250); got {key!r}")
     path = os.path.join(SHM_DIR, key.lstrip("/"))
     try:
-        fd = os.open(path, os.O_RDWR)
+        # No symlinks, no FIFOs: only a shared-memory object, and only one of the daemon's own user.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise InvalidArgument(f"{field}: no shared-memory object {key!r} on the daemon's host (a daemon on "
                               "another host or in another IPC namespace cannot map it)") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionDenied(f"{field}: {key!r} is a symbolic link, not a shared-memory object") from None
         raise InvalidArgument(f"{field}: cannot open shared-memory object {key!r}: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            raise PermissionDenied(f"{field}: {key!r} is not a shared-memory object of the daemon's user "
+                                   f"(uid {os.geteuid()}); run the daemon as the training processes' user")
+        size = st.st_size
         if offset + byte_size > size:
             raise InvalidArgument(f"offset + byte_size: {offset} + {byte_size} = {offset + byte_size} bytes, but "
                                   f"shared-memory object {key!r} holds {size}")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, offset + byte_size - start, offset=start)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     flat = np.frombuffer(mm, np.uint8, byte_size, offset - start)
 
     def close() -> None:
@@ -122,8 +142,17 @@ def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> t
         flat = None
         with contextlib.suppress(BufferError):  # a stray view: the mapping goes with it
             mm.close()
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
-    return flat, close
+    def check() -> None:
+        # A client that shrinks its object would make the next read fault (SIGBUS): look before each use.
+        # (This narrows the window; it cannot close it. A client of the daemon's own user could kill it anyway.)
+        if os.fstat(fd).st_size < offset + byte_size:
+            raise InvalidArgument(f"{field}: shared-memory object {key!r} shrank below offset + byte_size "
+                                  f"{offset + byte_size} after it was registered")
+
+    return flat, close, check
 
 
 def probe_shm(key: str, nonce: bytes) -> str | None:
@@ -136,7 +165,7 @@ def probe_shm(key: str, nonce: bytes) -> str | None:
     if not nonce:
         return "no probe was sent"
     try:
-        flat, close = open_shm(key, 0, len(nonce), "probe_shm_key")
+        flat, close, _ = open_shm(key, 0, len(nonce), "probe_shm_key")
     except ServiceError as e:
         return str(e)
     try:
@@ -174,8 +203,11 @@ class RegionTable:
         >>> table.close_session(s.id)
     """
 
-    def __init__(self, ipc_opener=None, max_regions_per_session: int = MAX_REGIONS_PER_SESSION):
+    def __init__(self, ipc_opener=None, max_regions_per_session: int = MAX_REGIONS_PER_SESSION,
+                 max_sessions: int | None = None):
         self._lock = threading.Lock()
+        self.max_sessions = max_sessions
+        self._closing = False
         self._sessions: dict[str, Session] = {}
         self._ipc_opener = ipc_opener
         self.max_regions_per_session = max_regions_per_session
@@ -191,9 +223,20 @@ class RegionTable:
             return len(self._sessions), sum(len(s.regions) for s in self._sessions.values())
 
     def open_session(self) -> Session:
-        """A new session with an unguessable id."""
+        """A new session with an unguessable id.
+
+        Raises:
+            SessionsExhausted: the daemon is stopping, or ``max_sessions`` are open (each
+                holds one of the daemon's threads); the SDK then uses the wire.
+        """
         session = Session(secrets.token_urlsafe(24))
         with self._lock:
+            if self._closing:
+                raise SessionsExhausted("the daemon is stopping; it opens no new session")
+            if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+                raise SessionsExhausted(
+                    f"{len(self._sessions)} sessions are open, the most this daemon serves (--workers / 2: each "
+                    "holds a serving thread); use the wire transport, or raise --workers")
             self._sessions[session.id] = session
         return session
 
@@ -209,9 +252,27 @@ class RegionTable:
         for region in regions:
             self._release(region)
 
-    def close_all(self) -> None:
-        """Closes every session (the daemon is stopping): their streams end."""
+    def session_ended(self, session_id: str) -> None:
+        """A session's stream ended: its regions are released, unless the daemon is
+        stopping (calls still in flight may use them; :meth:`close_all` releases them)."""
         with self._lock:
+            if self._closing:
+                return
+        self.close_session(session_id)
+
+    def end_streams(self) -> None:
+        """The daemon is stopping: no new session, and every session's stream ends now;
+        the regions stay until :meth:`close_all`."""
+        with self._lock:
+            self._closing = True
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.closed.set()
+
+    def close_all(self) -> None:
+        """Closes every session, and opens no new one (the daemon is stopping): their streams end."""
+        with self._lock:
+            self._closing = True
             ids = list(self._sessions)
         for session_id in ids:
             self.close_session(session_id)
@@ -249,8 +310,9 @@ class RegionTable:
             if len(session.regions) >= self.max_regions_per_session:
                 raise InvalidArgument(f"name: this session already has {len(session.regions)} regions, the most "
                                       "a session may register")
+        check = None
         if kind == "shm":
-            data, closer = open_shm(key, offset, byte_size)
+            data, closer, check = open_shm(key, offset, byte_size)
         elif kind == "cuda_ipc":
             if self._ipc_opener is None:
                 raise InvalidArgument("cuda_ipc: this daemon cannot open CUDA IPC handles (its backend is not "
@@ -264,7 +326,7 @@ class RegionTable:
             key = f"cuda:{cuda_ipc.device_id}"
         else:
             raise InvalidArgument(f"source: set shm_key or cuda_ipc; got {kind or 'neither'}")
-        region = Region(name, kind, key, offset, byte_size, data, closer)
+        region = Region(name, kind, key, offset, byte_size, data, closer, check)
         with self._lock:
             if session.closed.is_set() or name in session.regions:
                 region.close()
@@ -350,7 +412,9 @@ class RegionTable:
                                       f"of {region.byte_size} bytes")
             region.in_use += 1
             scope.pinned.append(region)
-            return region.data[offset:offset + byte_size]
+        if region.check is not None:
+            region.check()
+        return region.data[offset:offset + byte_size]
 
 
 def session_of(context) -> str | None:

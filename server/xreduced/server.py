@@ -136,10 +136,13 @@ class Daemon:
         self._stopped.set()
         grace = self.config.grace_seconds if grace is None else grace
         self.health.enter_graceful_shutdown()
-        # Sessions are open streams: end them first, or every stop would wait out the whole grace.
-        self.service.regions.close_all()
         log.info("event=stopping grace_seconds=%g", grace)
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)  # refuses new calls, new sessions too
+        # Sessions are open streams: end them, or every stop would wait out the whole grace; their
+        # regions stay mapped for the calls still in flight, and go when those are done.
+        self.service.regions.end_streams()
+        stopped.wait()
+        self.service.regions.close_all()
         if self.metrics is not None:
             self.metrics.stop()
         log.info("event=stopped")

@@ -25,7 +25,7 @@ from xreduced.collective import BroadcastShare, Contribution, assign_devices, br
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
 from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations, result_dtype
-from xreduced.errors import Aborted, InvalidArgument, ServiceError
+from xreduced.errors import Aborted, InvalidArgument, PermissionDenied, ServiceError
 from xreduced.executor import Deadline
 from xreduced.limits import CollectiveSlots, LimitExceeded, Limits
 from xreduced.observability import REQUEST_BYTES, Stats
@@ -142,7 +142,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.stats = stats or Stats()
         self.stats.configure(Limits.from_config(self.config), self.rendezvous.pending)
         self.collective_slots = CollectiveSlots(self.config.max_collectives)
-        self.regions = regions or RegionTable(ipc_opener=getattr(engine.backend, "open_ipc", None))
+        self.regions = regions or RegionTable(ipc_opener=getattr(engine.backend, "open_ipc", None),
+                                              max_sessions=max(1, self.config.workers // 2))
 
     @_status
     def ListDevices(self, request, context):
@@ -209,8 +210,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         )
 
     def OpenSession(self, request, context):
-        session = self.regions.open_session()
-        context.add_callback(lambda: self.regions.close_session(session.id))
+        try:
+            session = self.regions.open_session()
+        except ServiceError as e:
+            context.abort(e.code, str(e))
+        context.add_callback(lambda: self.regions.session_ended(session.id))
         reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce)) if request.probe_shm_key else (
             "no probe was sent")
         log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], context.peer(),
@@ -220,11 +224,15 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         # The stream is the session: it stays open until the client leaves or the daemon stops.
         while context.is_active() and not session.closed.wait(1.0):
             pass
-        self.regions.close_session(session.id)
+        self.regions.session_ended(session.id)
         log.info("event=session_close session=%s...", session.id[:8])
 
     @_status
     def RegisterRegion(self, request, context):
+        peer = context.peer()
+        if not peer.startswith(_LOCAL_PEERS):
+            raise PermissionDenied(f"name: regions are for callers on the daemon's host (a unix socket or loopback); "
+                                   f"this call came from {peer}")
         kind = request.WhichOneof("source") or ""
         self.regions.register(session_of(context), request.name, {"shm_key": "shm"}.get(kind, kind),
                               request.shm_key, request.offset, request.byte_size, request.cuda_ipc)
@@ -545,6 +553,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 region=pb.RegionSlice(name=name, offset=offset, byte_size=view.nbytes))))
         return pb.DistributedValue(components=components)
 
+
+_LOCAL_PEERS = ("unix:", "ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D")
+"""``context.peer()`` prefixes of callers on the daemon's host."""
 
 OUTPUT_ALIGNMENT = 64
 """Every result component written into an output region starts at a multiple of this."""
