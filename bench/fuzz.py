@@ -1482,99 +1482,10 @@ class KnownBug:
     """A line of the traceback the daemon logs for it with ``event=internal_error``, if it logs one."""
 
 
-def undecodable(method: str, request) -> bool:
-    """Whether what was sent (a Call's or a Stream's raw bytes, or bytes) holds a message that does not parse
-    as ``method``'s request."""
-    if isinstance(request, Stream):
-        sent = request.messages
-    elif isinstance(request, Call):
-        sent = (request.request,)
-    else:
-        sent = (request,)
-    return any(isinstance(b, bytes | bytearray) and parse(method, bytes(b)) is None for b in sent)
-
-
-_STREAM_INTERNAL = "internal error in ReduceStream; see the daemon's log"
-
-
-def _unbuildable(tensor: pb.Tensor) -> bool:
-    """Whether the tensor is empty, with a shape numpy cannot make (e.g. [2**61, 0]) though the codec accepts it."""
-    try:
-        dtype, shape = codec.spec(tensor)
-    except codec.CodecError:
-        return False
-    try:
-        np.zeros(0, dtype).reshape(shape)
-    except ValueError:
-        return True
-    return False
-
-
-def _tensors(message) -> list[pb.Tensor]:
-    """Every request tensor in a Reduce, BatchReduce or Broadcast request (or a ReduceStream header)."""
-    if isinstance(message, pb.BroadcastRequest):
-        return [message.tensor]
-    if isinstance(message, pb.ReduceRequest):
-        return [c.tensor for c in message.value.components]
-    if isinstance(message, pb.BatchReduceRequest):
-        return [c.tensor for p in message.pairs for c in p.value.components]
-    return []
-
-
-def _unbuildable_region(method: str, request, outcome: Outcome) -> bool:
-    return (isinstance(request, Call) and outcome.code == StatusCode.INTERNAL
-            and outcome.details == f"internal error in {method}; see the daemon's log"
-            and any(t.HasField("region") and _unbuildable(t) for t in _tensors(request.request)))
-
-
-def _unbuildable_stream(method: str, request, outcome: Outcome) -> bool:
-    headers = [m.header for m in request.messages if isinstance(m, pb.ReduceStreamRequest)
-               and m.WhichOneof("kind") == "header"] if isinstance(request, Stream) else []
-    return (outcome.code == StatusCode.INTERNAL and outcome.details == _STREAM_INTERNAL
-            and any(_unbuildable(t) for h in headers for t in _tensors(h)))
-
-
-KNOWN_BUGS: dict[str, KnownBug] = {
-    "stream-undecodable-internal": KnownBug(
-        "Bytes that do not parse, sent to a streaming method (ReduceStream, OpenSession), are answered "
-        "INTERNAL 'Exception deserializing request!' by grpc itself, which logs it as an error (ReduceStream's "
-        "own call line even says INVALID_ARGUMENT): observability.CallInterceptor, which turns undecodable "
-        "requests into INVALID_ARGUMENT, passes streaming methods through untouched. Reproducer: "
-        "channel.stream_stream('/xreduce.v1.CrossDeviceOps/ReduceStream')(iter([b'\\xff\\xff']), timeout=5) and "
-        "channel.unary_stream('/xreduce.v1.CrossDeviceOps/OpenSession')(b'\\xff\\xff', timeout=5) both end "
-        "with INTERNAL.",
-        lambda method, request, outcome: (method in STREAMING_METHODS and outcome.code == StatusCode.INTERNAL
-                                          and outcome.details == "Exception deserializing request!"
-                                          and undecodable(method, request))),
-    "stream-without-deadline": KnownBug(
-        "A ReduceStream call without a gRPC deadline is answered INTERNAL as soon as the daemon has to wait for "
-        "a message before the header's timeout applies (for the header itself, or for every message when the "
-        "header has no timeout): the call's deadline is then context.time_remaining(), about 2**63 s rather than "
-        "None, so the documented fallback to --collective-timeout never happens and threading.Condition.wait "
-        "raises 'OverflowError: timestamp out of range for platform time_t' (streaming.py, _Inbox.get). "
-        "Reproducer: a stream_stream call to /xreduce.v1.CrossDeviceOps/ReduceStream with no timeout whose "
-        "request iterator yields a header (one float32[4] streamed component on CPU:0, no timeout) and then "
-        "blocks; the first reply is INTERNAL 'internal error in ReduceStream; see the daemon's log'.",
-        lambda method, request, outcome: (isinstance(request, Stream) and request.deadline is None
-                                          and outcome.code == StatusCode.INTERNAL
-                                          and outcome.details == _STREAM_INTERNAL),
-        log_signature="OverflowError: timestamp out of range for platform time_t"),
-    "region-shape-numpy-cannot-build": KnownBug(
-        "A tensor that names a region, with an empty shape numpy cannot make (e.g. [2**61, 0] or [2**40, 2**40, "
-        "0] and byte_size 0), is answered INTERNAL: service._view reshapes the region's bytes without the "
-        "ValueError guard codec._reshape has for tensors that carry bytes (the fixed bug of the same kind). "
-        "Reproducer: with an open session that registered a region 'in', Reduce(value=[CPU:0: Tensor(FLOAT32, "
-        "shape=[2**61, 0], region={name: 'in', offset: 0, byte_size: 0})]) -> INTERNAL; the daemon logs "
-        "'ValueError: array is too big' from service._view.",
-        _unbuildable_region, log_signature="return data.view(dtype).reshape(shape)"),
-    "stream-shape-numpy-cannot-build": KnownBug(
-        "A ReduceStream header whose tensor has an empty shape numpy cannot make (e.g. [2**61, 0]) is answered "
-        "INTERNAL: streaming._Stream._accept builds np.broadcast_to(np.zeros((), dtype), shape), which raises "
-        "ValueError ('array is too big' / 'iterator is too large'), and streaming._streamed checks only for shapes "
-        "too large in bytes. Reproducer: a ReduceStream whose only message is a header with one component "
-        "(CPU:0, Tensor(FLOAT32, shape=[2**61, 0], streamed=True)) -> INTERNAL.",
-        _unbuildable_stream, log_signature="views.append(np.broadcast_to(np.zeros((), dtype), shape))"),
-}
+KNOWN_BUGS: dict[str, KnownBug] = {}
+"""Daemon bugs the fuzz found and that are still open; the four it found in the new methods (undecodable
+messages to streaming methods, ReduceStream without a deadline, region and streamed shapes numpy cannot
+build, each answered INTERNAL) are fixed, and the fuzz now fails if they come back."""
 """Daemon bugs the fuzz found and that are not fixed yet: name -> what, how to reproduce, which outcomes. The
 three it found first (shapes numpy cannot build gave INTERNAL; a timed-out collective of 2**31-1 processes listed
 every missing id and took the daemon down; an error repeating a huge input outgrew the client's metadata

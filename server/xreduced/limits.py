@@ -319,12 +319,15 @@ def reply_bytes(request, size: int) -> int:
         return _tensor_bytes(request.tensor, False, size) * len(request.destinations)
     else:
         return 0
-    total = 0
+    total = most = 0
     for value, destinations in pairs:
         if value.components:
             copies = len(destinations) or len(value.components)
+            most = max(most, copies)
             total += _tensor_bytes(value.components[0].tensor, mean, size) * copies
-    return total
+    # The values' data share the request's bytes: the results can be no more than all of it, promoted
+    # (at most 4x, int16 to float64... or 10 bytes an element typed), on every destination.
+    return min(total, 10 * size * most)
 
 
 def _tensor_bytes(tensor, mean: bool, size: int) -> int:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import grpc
 import prometheus_client
 
+from xreduced.errors import InvalidArgument
 from xreduced.limits import InflightBytes, LimitExceeded, Limits, trim_malloc, working_set
 
 log = logging.getLogger("xreduced.calls")
@@ -213,8 +214,10 @@ class CallInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.response_streaming:
+        if handler is None:
             return handler
+        if handler.request_streaming or handler.response_streaming:
+            return _parsing_safely(handler, handler_call_details.method)
         method = handler_call_details.method
         inner = handler.unary_unary
         parse = handler.request_deserializer
@@ -273,6 +276,50 @@ class CallInterceptor(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             observed, request_deserializer=deserialize, response_serializer=_already_serialized)
+
+
+class _Undecodable:
+    """A streamed request message that does not parse; the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _parsing_safely(handler, method: str):
+    """A streaming handler whose messages that do not parse get INVALID_ARGUMENT, naming the method,
+    where gRPC's own deserializer would answer INTERNAL. (Streaming calls count and log themselves.)"""
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data) if parse is not None else data
+        except Exception as e:  # not a valid message of the method's request type
+            return _Undecodable(f"{method}: a request message does not parse ({type(e).__name__}: {e})")
+
+    if handler.request_streaming:
+        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+        def checked(iterator):
+            for message in iterator:
+                if isinstance(message, _Undecodable):
+                    raise InvalidArgument(message.error)
+                yield message
+
+        def behavior(request_iterator, context):
+            return inner(checked(request_iterator), context)
+
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
+            else grpc.stream_unary_rpc_method_handler
+    else:
+        inner = handler.unary_stream
+
+        def behavior(request, context):
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            return inner(request, context)
+
+        make = grpc.unary_stream_rpc_method_handler
+    return make(behavior, request_deserializer=deserialize, response_serializer=handler.response_serializer)
 
 
 def _already_serialized(data: bytes) -> bytes:

@@ -475,7 +475,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             limits.append(_timeout_seconds(request.timeout))
         elif group is not None:
             limits.append(self.collective_timeout)
-        remaining = context.time_remaining()
+        remaining = call_deadline(context)
         if remaining is not None:
             limits.append(remaining)
         return Deadline(min(limits) if limits else None)
@@ -506,7 +506,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         if r.offset % dtype.itemsize:
             raise InvalidArgument(f"{field}.region.offset: must be a multiple of the {dtype.name} item size "
                                   f"({dtype.itemsize}); got {r.offset}")
-        return _view(self.regions.resolve(r.name, r.offset, r.byte_size, f"{field}.region"), dtype, shape)
+        data = self.regions.resolve(r.name, r.offset, r.byte_size, f"{field}.region")
+        try:
+            return _view(data, dtype, shape)
+        except ValueError as e:  # e.g. a zero-size shape whose other dimensions overflow numpy's size type
+            raise InvalidArgument(f"{field}.shape: numpy cannot make an array of shape {list(shape)} ({e})") from None
 
     def _layout(self, output: pb.RegionSlice, results) -> list[dict[int, tuple[str, int, object]]]:
         """Places each result component in ``output``, 64-byte aligned and in order.
@@ -582,6 +586,12 @@ def _arrays(outs):
 
 MAX_TIMEOUT_SECONDS = 86400
 """The longest ``timeout`` a request may ask for: one day."""
+
+
+def call_deadline(context) -> float | None:
+    """Seconds left before the call's gRPC deadline, or None without one (gRPC then says about 2**63 s)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining <= MAX_TIMEOUT_SECONDS else None
 
 
 def _timeout_seconds(timeout) -> float:

@@ -317,7 +317,7 @@ class _Stream:
         self.receiver = receiver
         self.chunks = 0
         self.reduce_seconds = 0.0
-        self.deadline = Deadline(context.time_remaining())
+        self.deadline = Deadline(svc.call_deadline(context))
         """The call's deadline until the header's ``timeout`` joins it."""
 
     def replies(self) -> Iterator[tuple[pb.ReduceStreamResponse, int]]:
@@ -386,7 +386,11 @@ class _Stream:
             for c, comp in enumerate(pair.value.components):
                 devices.append(service.devices.resolve(comp.device, f"{field}.components[{c}].device"))
                 dtype, shape = _streamed(comp.tensor, f"{field}.components[{c}].tensor")
-                views.append(np.broadcast_to(np.zeros((), dtype), shape))  # the shape, without its memory
+                try:
+                    views.append(np.broadcast_to(np.zeros((), dtype), shape))  # the shape, without its memory
+                except ValueError as e:  # e.g. a zero-size shape whose other dimensions overflow numpy's size type
+                    raise InvalidArgument(f"{field}.components[{c}].tensor.shape: numpy cannot make an array of "
+                                          f"shape {list(shape)} ({e})") from None
                 ins.append(_Input(f"{field}.components[{c}]", dtype, math.prod(shape) * dtype.itemsize))
             shaped.append((Value(tuple(devices), tuple(views), field), service._devices(pair.destinations,
                                                                                          dest_fields[i])))
