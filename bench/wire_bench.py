@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import functools
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ import numpy as np  # noqa: E402
 from daemon import DaemonProcess  # noqa: E402
 from xreduce import _client  # noqa: E402
 from xreduce import _codec as codec  # noqa: E402
+from xreduce._cli import parse_bytes  # noqa: E402
 from xreduce._client import Client  # noqa: E402
 from xreduce._streaming import DEFAULT_CHUNK_BYTES, stream_batch_reduce, streamed_tensor  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
@@ -66,20 +66,6 @@ ECHO_METHOD = "/bench.Echo/Echo"
 SERVER_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
 """The daemon's default message limits (--max-message-bytes 1 GiB)."""
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``'1MiB'``, ``'256K'``, ``'4096'`` -> bytes (binary units).
-
-    Example:
-        >>> parse_bytes("64MiB"), parse_bytes("256K")
-        (67108864, 262144)
-    """
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 64MiB, 256K, 4096)")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 def parse_option(text: str) -> tuple[str, int]:
