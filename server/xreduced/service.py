@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import logging
-import math
 import time
 
 import grpc
@@ -25,11 +24,12 @@ from xreduced.collective import BroadcastShare, Contribution, assign_devices, br
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
 from xreduced.engine import MAX_NUM_PACKS, MEAN, SUM, Engine, Result, Value, check_destinations, result_dtype
-from xreduced.errors import Aborted, InvalidArgument, PermissionDenied, ServiceError
+from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
 from xreduced.limits import CollectiveSlots, LimitExceeded, Limits
 from xreduced.observability import REQUEST_BYTES, Stats
-from xreduced.regions import RegionTable, probe_shm, session_of
+from xreduced.region_service import RegionMixin, _arrays
+from xreduced.regions import RegionTable, session_of
 from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
@@ -123,7 +123,7 @@ class _Group:
     process_id: int
 
 
-class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
+class CrossDeviceOpsService(RegionMixin, pb_grpc.CrossDeviceOpsServicer):
     """Serves ``xreduce.v1.CrossDeviceOps`` on an engine's devices.
 
     Requests with a ``collective`` of several processes meet in the rendezvous;
@@ -210,46 +210,19 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         )
 
     def OpenSession(self, request, context):
-        try:
-            session = self.regions.open_session()
-        except ServiceError as e:
-            context.abort(e.code, str(e))
-        context.add_callback(lambda: self.regions.session_ended(session.id))
-        reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce)) if request.probe_shm_key else (
-            "no probe was sent")
-        log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], context.peer(),
-                 reason is None)
-        yield pb.OpenSessionResponse(session_id=session.id, shared_memory=reason is None,
-                                     shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc)
-        # The stream is the session: it stays open until the client leaves or the daemon stops.
-        while context.is_active() and not session.closed.wait(1.0):
-            pass
-        self.regions.session_ended(session.id)
-        log.info("event=session_close session=%s...", session.id[:8])
+        return self._open_session(request, context)
 
     @_status
     def RegisterRegion(self, request, context):
-        peer = context.peer()
-        if not peer.startswith(_LOCAL_PEERS):
-            raise PermissionDenied(f"name: regions are for callers on the daemon's host (a unix socket or loopback); "
-                                   f"this call came from {peer}")
-        kind = request.WhichOneof("source") or ""
-        self.regions.register(session_of(context), request.name, {"shm_key": "shm"}.get(kind, kind),
-                              request.shm_key, request.offset, request.byte_size, request.cuda_ipc)
-        return pb.RegisterRegionResponse()
+        return self._register_region(request, context)
 
     @_status
     def UnregisterRegion(self, request, context):
-        self.regions.unregister(session_of(context), request.name)
-        return pb.UnregisterRegionResponse()
+        return self._unregister_region(request, context)
 
     @_status
     def ListRegions(self, request, context):
-        return pb.ListRegionsResponse(regions=[
-            pb.Region(name=r.name, kind=r.kind, shm_key=r.key if r.kind == "shm" else "", offset=r.offset,
-                      byte_size=r.byte_size, in_use=r.in_use)
-            for r in self.regions.list(session_of(context))
-        ])
+        return self._list_regions(request, context)
 
     @_status
     def Broadcast(self, request, context):
@@ -490,98 +463,18 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             arrays.append(self._array(comp.tensor, f"{field}.components[{p}].tensor"))
         return Value(tuple(devices), tuple(arrays), field)
 
-    def _array(self, tensor: pb.Tensor, field: str):
-        """A request's tensor: decoded from its bytes, or a view of the caller's region."""
-        if not tensor.HasField("region"):
-            return codec.decode(tensor, field)
-        dtype, shape = codec.spec(tensor, field)
-        carried = [n for n in ("raw_data", "float_values", "int_values", "uint_values") if len(getattr(tensor, n))]
-        if carried:
-            raise InvalidArgument(f"{field}: names a region and carries {', '.join(carried)}; send one of them")
-        want = math.prod(shape) * dtype.itemsize
-        r = tensor.region
-        if r.byte_size != want:
-            raise InvalidArgument(f"{field}.region.byte_size: {r.byte_size} bytes for {dtype.name}{list(shape)}, "
-                                  f"expected {want}")
-        if r.offset % dtype.itemsize:
-            raise InvalidArgument(f"{field}.region.offset: must be a multiple of the {dtype.name} item size "
-                                  f"({dtype.itemsize}); got {r.offset}")
-        data = self.regions.resolve(r.name, r.offset, r.byte_size, f"{field}.region")
-        try:
-            return _view(data, dtype, shape)
-        except ValueError as e:  # e.g. a zero-size shape whose other dimensions overflow numpy's size type
-            raise InvalidArgument(f"{field}.shape: numpy cannot make an array of shape {list(shape)} ({e})") from None
-
-    def _layout(self, output: pb.RegionSlice, results) -> list[dict[int, tuple[str, int, object]]]:
-        """Places each result component in ``output``, 64-byte aligned and in order.
-
-        Args:
-            results: per result, (destination devices, dtype, shape).
-
-        Returns:
-            Per result, destination device -> (region name, offset in it, writable view).
-        """
-        total, places = 0, []
-        for dests, dtype, shape in results:
-            nbytes = math.prod(shape) * dtype.itemsize
-            for d in dests:
-                total += -total % OUTPUT_ALIGNMENT
-                places.append((d, dtype, shape, total, nbytes))
-                total += nbytes
-        if total > output.byte_size:
-            raise InvalidArgument(f"output.byte_size: the results need {total} bytes ({OUTPUT_ALIGNMENT}-byte "
-                                  f"aligned, in order); the slice has {output.byte_size}")
-        if output.offset % OUTPUT_ALIGNMENT:
-            raise InvalidArgument(f"output.offset: must be a multiple of {OUTPUT_ALIGNMENT}; got {output.offset}")
-        out, it = [], iter(places)
-        for dests, _, _ in results:
-            mapping = {}
-            for _ in dests:
-                d, dtype, shape, at, nbytes = next(it)
-                view = self.regions.resolve(output.name, output.offset + at, nbytes, "output")
-                mapping[d] = (output.name, output.offset + at, _view(view, dtype, shape))
-            out.append(mapping)
-        return out
-
     def _encode(self, result: Result, encoding: str, out=None) -> pb.DistributedValue:
         if out is None:
             return pb.DistributedValue(components=[
                 pb.Component(device=self.devices.name(d).canonical, tensor=codec.encode(_host(a), encoding))
                 for d, a in zip(result.devices, result.arrays)
             ])
-        components = []
-        for d in result.devices:  # the engine wrote each result into its view
-            name, offset, view = out[d]
-            components.append(pb.Component(device=self.devices.name(d).canonical, tensor=pb.Tensor(
-                dtype=codec.dtype_enum(view.dtype), shape=view.shape,
-                region=pb.RegionSlice(name=name, offset=offset, byte_size=view.nbytes))))
-        return pb.DistributedValue(components=components)
-
-
-_LOCAL_PEERS = ("unix:", "ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D")
-"""``context.peer()`` prefixes of callers on the daemon's host."""
-
-OUTPUT_ALIGNMENT = 64
-"""Every result component written into an output region starts at a multiple of this."""
-
-
-def _view(data, dtype: np.dtype, shape: tuple[int, ...]):
-    """A region's bytes as an array of ``dtype`` and ``shape`` (numpy, or CuPy for GPU memory)."""
-    if isinstance(data, np.ndarray):
-        return data.view(dtype).reshape(shape)
-    from xreduced.backends.cupy_backend import device_view
-
-    return device_view(data, dtype, shape)
+        return self._encode_regions(result, out)
 
 
 def _host(array) -> np.ndarray:
     """A result as a numpy array (a CuPy one is copied from its GPU)."""
     return array if isinstance(array, np.ndarray) else array.get() if hasattr(array, "get") else np.asarray(array)
-
-
-def _arrays(outs):
-    """The engine's ``out=``: per result, destination device -> the view to write."""
-    return [None if o is None else {d: view for d, (_, _, view) in o.items()} for o in outs]
 
 
 MAX_TIMEOUT_SECONDS = 86400
