@@ -444,10 +444,8 @@ class CrossDeviceOps:
 
 
 def _mean(total: np.ndarray, n: int) -> np.ndarray:
-    if total.dtype.kind in "iu":
-        f = np.float32 if total.dtype.itemsize <= 2 else np.float64
-        return total.astype(f) / f(n)
-    return total / total.dtype.type(n)
+    f = _result_dtype(ReduceOp.MEAN, total.dtype).type
+    return (total.astype(f) if total.dtype.kind in "iu" else total) / f(n)
 
 
 def _encode_value(value: DistributedValues, devices: Sequence[str]) -> pb.DistributedValue:

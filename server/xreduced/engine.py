@@ -238,6 +238,22 @@ class Engine:
         resolved = self.validate(op, pairs, num_packs, dest_fields)
         return self._routes(resolved, algorithm, num_packs) if resolved else []
 
+    def fold_devices(self, pairs: Sequence[tuple[Value, Sequence[int]]], *,
+                     algorithm: str = planner.HIERARCHICAL_COPY) -> list[tuple[int, ...]]:
+        """Per pair, the device order in which :meth:`batch_reduce` adds its replicas: the first
+        value's for a batch that all-reduces over one device set, else the value's own.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> x = np.ones(1)
+            >>> Engine(NumpyBackend(2)).fold_devices([(Value((0, 1), (x, x)), ()), (Value((1, 0), (x, x)), ())])
+            [(0, 1), (0, 1)]
+        """
+        resolved = [(v, tuple(d) or v.devices) for v, d in pairs]
+        if resolved and algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
+            return [resolved[0][0].devices] * len(resolved)
+        return [v.devices for v, _ in resolved]
+
     def _together(self, resolved: list[tuple[Value, tuple[int, ...]]]) -> bool:
         """Does the whole batch all-reduce over one device set (so it is packed together)?"""
         ref = set(resolved[0][0].devices)

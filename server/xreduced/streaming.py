@@ -397,15 +397,11 @@ class _Stream:
             inputs.append(ins)
         routes = self.engine.routes(self.op, shaped, algorithm=self.algorithm, num_packs=options["num_packs"],
                                     dest_fields=dest_fields)
-        # batch_reduce folds a batch that all-reduces over one device set in the first value's device order.
-        ref = set(shaped[0][0].devices) if shaped else set()
-        together = self.algorithm != planner.REDUCTION_TO_ONE_DEVICE and all(
-            set(d or v.devices) == set(v.devices) == ref for v, d in shaped)
+        folds = self.engine.fold_devices(shaped, algorithm=self.algorithm)
         self.pairs = []
         reply = pb.BatchReduceResponse()
-        for (value, dests), ins, route in zip(shaped, inputs, routes):
+        for (value, dests), ins, route, fold in zip(shaped, inputs, routes, folds):
             own = value.devices
-            fold = shaped[0][0].devices if together else own
             order = tuple(own.index(d) for d in fold)
             out_dtype = result_dtype(self.op, ins[0].dtype, route)
             self.pairs.append(_Pair(ins, order, fold, dests or own, out_dtype))
