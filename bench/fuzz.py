@@ -77,11 +77,10 @@ from google.protobuf.message import DecodeError  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from xreduce import _codec as codec  # noqa: E402
 from xreduce import _shm  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
+from xreduce.wire import SESSION_METADATA, codec, method_path  # noqa: E402
 
-SERVICE = "/xreduce.v1.CrossDeviceOps/"
 REQUEST_TYPES = {
     "ListDevices": (pb.ListDevicesRequest, pb.ListDevicesResponse),
     "GetStatus": (pb.GetStatusRequest, pb.GetStatusResponse),
@@ -1155,7 +1154,8 @@ def call(channel: grpc.Channel, method: str, request, timeout: float = CALL_TIME
     payload = bytes(request) if raw else request
     start = time.monotonic()
     if method == "OpenSession":
-        rpc = channel.unary_stream(SERVICE + method, request_serializer=serializer, response_deserializer=deserializer)
+        rpc = channel.unary_stream(method_path(method), request_serializer=serializer,
+                                   response_deserializer=deserializer)
         replies = rpc(payload, timeout=timeout, metadata=metadata)
         try:
             first = next(replies)
@@ -1167,7 +1167,7 @@ def call(channel: grpc.Channel, method: str, request, timeout: float = CALL_TIME
             replies.cancel()
         return Outcome(StatusCode.OK, "", time.monotonic() - start,
                        problem="" if first.session_id else "the first reply has no session id")
-    rpc = channel.unary_unary(SERVICE + method, request_serializer=serializer, response_deserializer=deserializer)
+    rpc = channel.unary_unary(method_path(method), request_serializer=serializer, response_deserializer=deserializer)
     try:
         rpc(payload, timeout=timeout, metadata=metadata)
     except grpc.RpcError as e:
@@ -1178,7 +1178,7 @@ def call(channel: grpc.Channel, method: str, request, timeout: float = CALL_TIME
 def stream_call(channel: grpc.Channel, plan: Stream, metadata=None) -> Outcome:
     """Runs one ReduceStream call as ``plan`` says; a watchdog cancels it after :data:`CALL_TIMEOUT` (a hang)."""
     data = [m if isinstance(m, bytes | bytearray) else m.SerializeToString() for m in plan.messages]
-    rpc = channel.stream_stream(SERVICE + "ReduceStream", request_serializer=None, response_deserializer=None)
+    rpc = channel.stream_stream(method_path("ReduceStream"), request_serializer=None, response_deserializer=None)
     ready, finished = threading.Event(), threading.Event()
     state = {"cancelled": False, "watchdog": False}
 
@@ -1233,7 +1233,7 @@ class _Pending:
     """A unary call under way (grpc's future), and when it ended."""
 
     def __init__(self, channel: grpc.Channel, method: str, request, metadata):
-        rpc = channel.unary_unary(SERVICE + method, request_serializer=type(request).SerializeToString,
+        rpc = channel.unary_unary(method_path(method), request_serializer=type(request).SerializeToString,
                                   response_deserializer=REQUEST_TYPES[method][1].FromString)
         self.start = time.monotonic()
         self.end = None
@@ -1266,7 +1266,7 @@ class Session:
 
     def __init__(self, channel: grpc.Channel, request: pb.OpenSessionRequest | None = None):
         self.stream = channel.unary_stream(
-            SERVICE + "OpenSession", request_serializer=pb.OpenSessionRequest.SerializeToString,
+            method_path("OpenSession"), request_serializer=pb.OpenSessionRequest.SerializeToString,
             response_deserializer=pb.OpenSessionResponse.FromString)(request or pb.OpenSessionRequest())
         watchdog = threading.Timer(CALL_TIMEOUT, self.stream.cancel)
         watchdog.daemon = True
@@ -1279,7 +1279,7 @@ class Session:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((_shm.SESSION_METADATA, self.id),)
+        return ((SESSION_METADATA, self.id),)
 
     def close(self) -> None:
         self.stream.cancel()
@@ -1331,7 +1331,7 @@ class World:
 
     def metadata(self, tag: str):
         """The metadata for a session tag (:data:`SESSION_TAGS`, ``forged:<id>``)."""
-        key = _shm.SESSION_METADATA
+        key = SESSION_METADATA
         if tag == "none":
             return None
         if tag.startswith("forged:"):
@@ -1354,7 +1354,7 @@ class World:
         return [(action.method, action, outcome)]
 
     def _unary(self, method: str, request, metadata):
-        rpc = self.channel.unary_unary(SERVICE + method, request_serializer=type(request).SerializeToString,
+        rpc = self.channel.unary_unary(method_path(method), request_serializer=type(request).SerializeToString,
                                        response_deserializer=REQUEST_TYPES[method][1].FromString)
         return rpc(request, timeout=CALL_TIMEOUT, metadata=metadata)
 
@@ -1582,7 +1582,7 @@ def normal_reduce(channel: grpc.Channel) -> list[np.ndarray]:
         pb.Component(device=_device_form(1, 0), tensor=codec.encode(np.array([10, 20], np.float32))),
     ])
     reply = channel.unary_unary(
-        SERVICE + "Reduce", request_serializer=pb.ReduceRequest.SerializeToString,
+        method_path("Reduce"), request_serializer=pb.ReduceRequest.SerializeToString,
         response_deserializer=pb.ReduceResponse.FromString,
     )(pb.ReduceRequest(reduce_op=pb.REDUCE_OP_SUM, value=value), timeout=30)
     return [codec.decode(c.tensor) for c in reply.result.components]

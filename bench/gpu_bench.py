@@ -268,9 +268,9 @@ def ipc_worker(config: dict) -> dict:
     """One client process of part 2 (run as ``gpu_bench.py --ipc-worker CONFIG``)."""
     import cupy
     import grpc
-    from xreduce import _cuda_ipc
     from xreduce.v1 import xreduce_pb2 as pb
     from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+    from xreduce.wire import cuda_ipc
 
     p, nbytes = config["process_id"], config["nbytes"]
     count = nbytes // 4
@@ -285,8 +285,8 @@ def ipc_worker(config: dict) -> dict:
     with stream:
         for i in range(LOCAL):
             inputs_[i * slot:i * slot + nbytes].view(cupy.float32)[...] = base + cupy.float32(LOCAL * p + i)
-    event, event_handle = _cuda_ipc.ready_event(inputs_.device.id)
-    ein, eout = _cuda_ipc.export(inputs_), _cuda_ipc.export(outputs)
+    event, event_handle = cuda_ipc.ready_event(inputs_.device.id)
+    ein, eout = cuda_ipc.export(inputs_), cuda_ipc.export(outputs)
     devices = [f"GPU:{LOCAL * p + i}" for i in range(LOCAL)]
     times, reply = [], None
     with grpc.insecure_channel(config["address"]) as channel:

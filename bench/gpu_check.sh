@@ -100,7 +100,7 @@ try:
 except Exception as e:
     print(f"  CUDA: {type(e).__name__}: {e}")
 EOF
-if ! err=$("$PY" -c 'import xreduced.server, xreduce._codec, xreduce.v1.xreduce_pb2_grpc' 2>&1); then
+if ! err=$("$PY" -c 'import xreduced.server, xreduce.wire.codec, xreduce.v1.xreduce_pb2_grpc' 2>&1); then
     say "WARNING: the project does not import with $PY; the tests will fail:"
     printf '%s\n' "$err" | tail -n 3
     say "  carry the missing wheels in .whl/ (grpcio-health-checking, grpcio-reflection, and"

@@ -49,9 +49,9 @@ for _sub in ("server", "client"):  # runnable from a checkout without installing
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
-from xreduce import _codec as codec  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc  # noqa: E402
+from xreduce.wire import codec  # noqa: E402
 from xreduced import limits  # noqa: E402
 
 NUM_DEVICES = 8

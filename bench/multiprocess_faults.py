@@ -54,10 +54,10 @@ import mp_worker  # noqa: E402
 import numpy as np  # noqa: E402
 from daemon import DaemonProcess  # noqa: E402
 from google.protobuf import duration_pb2  # noqa: E402
-from xreduce import _codec as codec  # noqa: E402
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc  # noqa: E402
+from xreduce.wire import codec  # noqa: E402
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}".format
 

@@ -54,11 +54,12 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from daemon import DaemonProcess  # noqa: E402
 from xreduce import _client  # noqa: E402
-from xreduce import _codec as codec  # noqa: E402
 from xreduce._cli import parse_bytes  # noqa: E402
 from xreduce._client import Client  # noqa: E402
-from xreduce._streaming import DEFAULT_CHUNK_BYTES, stream_batch_reduce, streamed_tensor  # noqa: E402
+from xreduce._streaming import stream_batch_reduce  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
+from xreduce.wire import codec  # noqa: E402
+from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, streamed_tensor  # noqa: E402
 
 REPLICAS = 8
 """Replicas of the payload (and the daemons' host devices); ``--replicas`` changes it."""

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from daemon import DaemonProcess
 from google.protobuf.duration_pb2 import Duration
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND

@@ -8,7 +8,8 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from xreduce._codec import (
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.codec import (
     RAW,
     SUPPORTED_DTYPES,
     TYPED,
@@ -19,7 +20,6 @@ from xreduce._codec import (
     encoding_of,
     numpy_dtype,
 )
-from xreduce.v1 import xreduce_pb2 as pb
 
 ENCODINGS = [RAW, TYPED]
 ALL_DTYPES = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from xreduce import wire
 from xreduced import config
 from xreduced.config import Config, resolve
 
@@ -61,7 +62,7 @@ def test_defaults():
     got = resolve([], {})
     assert got == Config()
     assert dataclasses.asdict(got) == DEFAULTS
-    assert config.DEFAULT_ADDRESS == DEFAULTS["listen"]
+    assert wire.DEFAULT_ADDRESS == DEFAULTS["listen"]  # the SDK looks where the daemon listens
 
 
 @pytest.mark.parametrize("field", SETTINGS)

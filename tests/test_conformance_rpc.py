@@ -11,8 +11,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
 
 HERE = pathlib.Path(__file__).resolve().parent / "conformance"
 DOC = json.loads((HERE / "cases.json").read_text())

@@ -156,39 +156,39 @@ def test_export_needs_cupy_and_names_the_extra():
         pass
     else:
         pytest.skip("CuPy is installed: the missing-extra message cannot show")
-    from xreduce import _cuda_ipc
+    from xreduce.wire import cuda_ipc
 
     with pytest.raises(ImportError, match=r"xreduce\[gpu\]"):
-        _cuda_ipc.export(np.zeros(4))
+        cuda_ipc.export(np.zeros(4))
     with pytest.raises(ImportError, match=r"xreduce\[gpu\]"):
-        _cuda_ipc.ready_event(0)
+        cuda_ipc.ready_event(0)
 
 
 @_gpu_test
 def test_export_finds_the_allocation_and_the_offset():
     import cupy
-    from xreduce import _cuda_ipc
+    from xreduce.wire import cuda_ipc
 
     block = cupy.zeros(1 << 20, cupy.uint8)
-    whole, part = _cuda_ipc.export(block), _cuda_ipc.export(block[4096:8192])
+    whole, part = cuda_ipc.export(block), cuda_ipc.export(block[4096:8192])
     assert len(whole.mem_handle) == 64 and whole.mem_handle == part.mem_handle
     assert whole.buffer_id == part.buffer_id and whole.alloc_size == part.alloc_size
     assert part.offset - whole.offset == 4096 and part.nbytes == 4096
     assert 0 <= whole.offset and whole.offset + whole.nbytes <= whole.alloc_size
     assert whole.device_id == block.device.id
-    other = _cuda_ipc.export(cupy.zeros(1 << 20, cupy.uint8))
+    other = cuda_ipc.export(cupy.zeros(1 << 20, cupy.uint8))
     # Another array may or may not share the pool allocation; the id and the handle agree either way.
     assert (other.buffer_id == whole.buffer_id) == (other.mem_handle == whole.mem_handle)
-    event, handle = _cuda_ipc.ready_event(block.device.id)
+    event, handle = cuda_ipc.ready_event(block.device.id)
     assert isinstance(handle, bytes) and len(handle) == 64
     event.record(cupy.cuda.get_current_stream())
     event.synchronize()
     with pytest.raises(TypeError, match="cupy.ndarray"):
-        _cuda_ipc.export(np.zeros(4))
+        cuda_ipc.export(np.zeros(4))
     with pytest.raises(ValueError, match="empty"):
-        _cuda_ipc.export(cupy.zeros(0))
+        cuda_ipc.export(cupy.zeros(0))
     with pytest.raises(ValueError, match="C-contiguous"):
-        _cuda_ipc.export(cupy.zeros((4, 4))[:, 1])
+        cuda_ipc.export(cupy.zeros((4, 4))[:, 1])
 
 
 # --- the daemon's backend against another process's memory -----------------------------------
@@ -373,7 +373,7 @@ def _say(message: dict) -> None:
 
 def _export_main(config: dict) -> None:
     import cupy
-    from xreduce import _cuda_ipc
+    from xreduce.wire import cuda_ipc
 
     count = config["count"]
     block = cupy.zeros(count * 4 + 8192, cupy.uint8)
@@ -381,7 +381,7 @@ def _export_main(config: dict) -> None:
     y = cupy.zeros(count, cupy.float32)
     spin = cupy.RawKernel(_SPIN, "spin")
     cupy.cuda.Device().synchronize()
-    event, event_handle = _cuda_ipc.ready_event(x.device.id)
+    event, event_handle = cuda_ipc.ready_event(x.device.id)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         spin((1,), (1,), (np.int64(config["spin_cycles"]),))
@@ -389,7 +389,7 @@ def _export_main(config: dict) -> None:
     event.record(stream)
 
     def spec(a):
-        e = _cuda_ipc.export(a)
+        e = cuda_ipc.export(a)
         return {"handle": e.mem_handle.hex(), "device_id": e.device_id, "offset": e.offset,
                 "nbytes": e.nbytes, "alloc_size": e.alloc_size}
 
@@ -420,9 +420,9 @@ def _align(n: int, to: int = 256) -> int:
 def _client(config: dict) -> dict:
     import cupy
     import grpc
-    from xreduce import _cuda_ipc
     from xreduce.v1 import xreduce_pb2 as pb
     from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+    from xreduce.wire import cuda_ipc
 
     p = config["process_id"]
     devices = [f"GPU:{LOCAL * p + i}" for i in range(LOCAL)]
@@ -434,7 +434,7 @@ def _client(config: dict) -> dict:
     inputs = cupy.zeros(offset, cupy.uint8)
     outputs = cupy.zeros(2 * offset + 4096, cupy.uint8)
     cupy.cuda.Device().synchronize()
-    event, event_handle = _cuda_ipc.ready_event(inputs.device.id)
+    event, event_handle = cuda_ipc.ready_event(inputs.device.id)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for t, shape in enumerate(TENSORS):
@@ -442,7 +442,7 @@ def _client(config: dict) -> dict:
                 inputs[start:start + nbytes].view(cupy.float32)[...] = cupy.asarray(
                     _replica(t, LOCAL * p + i, shape).reshape(-1))
     event.record(stream)
-    ein, eout = _cuda_ipc.export(inputs), _cuda_ipc.export(outputs)
+    ein, eout = cuda_ipc.export(inputs), cuda_ipc.export(outputs)
 
     with grpc.insecure_channel(config["address"]) as channel:
         grpc.channel_ready_future(channel).result(timeout=20)

@@ -157,16 +157,16 @@ _WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "i
 
 def _supported_dtypes() -> tuple[str, ...]:
     try:
-        from xreduce import _codec
+        from xreduce.wire import codec
     except Exception:
         return _WIRE_DTYPES
-    return _codec.SUPPORTED_DTYPES
+    return codec.SUPPORTED_DTYPES
 
 
 def test_wire_dtypes():
-    from xreduce import _codec
+    from xreduce.wire import codec
 
-    assert set(_codec.SUPPORTED_DTYPES) == set(_WIRE_DTYPES)
+    assert set(codec.SUPPORTED_DTYPES) == set(_WIRE_DTYPES)
 
 
 SHAPES = [(1000,), (17, 33), (), (0,), (3, 1, 5)]
@@ -433,9 +433,9 @@ def test_device_arrays_in_and_out(gpu, dtype):
 def test_daemon_serves_gpu_devices_and_reduces():
     import grpc
     from daemon import DaemonProcess
-    from xreduce import _codec as codec
     from xreduce.v1 import xreduce_pb2 as pb
     from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+    from xreduce.wire import codec
 
     proc = DaemonProcess(
         ["--listen", "127.0.0.1:0", "--backend", "cupy", "--virtual-devices", str(N)], timeout=120

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from daemon import DaemonProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 
 NUMPY = ["--backend", "numpy"]
 TCP = ["--listen", "127.0.0.1:0"]

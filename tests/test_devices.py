@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from xreduce._devices import DeviceName, canonical
+from xreduce.wire.devices import DeviceName, canonical
 
 FORMS = [
     # (spec, device_type, index)

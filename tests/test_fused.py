@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from xreduce.wire import mean_dtype
 from xreduced import planner
-from xreduced.backends import mean_dtype
 from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import BroadcastShare, Contribution, broadcast_together, reduce_together
 from xreduced.engine import MEAN, SUM, Engine, Value, result_dtype

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 from daemon import DaemonProcess
+from xreduce.wire import DEFAULT_ADDRESS
 from xreduced.backends import dgx1_peer_matrix
-from xreduced.config import DEFAULT_ADDRESS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "grpcurl"

@@ -22,9 +22,9 @@ import pytest
 from daemon import DaemonProcess
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client.parser import text_string_to_metric_families
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 from xreduced.limits import MALLOC_ARENAS, MALLOC_MMAP_THRESHOLD, working_set
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED

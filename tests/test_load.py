@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 import pytest
 from daemon import DaemonProcess
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 from xreduced import limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

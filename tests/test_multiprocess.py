@@ -27,11 +27,11 @@ from daemon import DaemonProcess
 from google.protobuf import duration_pb2
 from mp_worker import decode, launch, make_array, replica_value
 from xreduce import Client
-from xreduce import _codec as codec
 from xreduce._client import process_group
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}".format
 ALL8 = [CPU(i) for i in range(8)]

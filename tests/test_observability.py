@@ -19,9 +19,9 @@ import pytest
 from daemon import DaemonProcess
 from prometheus_client.parser import text_string_to_metric_families
 from xreduce import _cli
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
 from xreduced.config import Config
 from xreduced.server import Daemon
 

@@ -128,11 +128,11 @@ def _regions(ops) -> dict[str, str]:
 
 def _assert_ipc_regions(ops, arrays) -> None:
     """Each array's allocation is registered as a cuda_ipc region of this process."""
-    from xreduce import _cuda_ipc
+    from xreduce.wire import cuda_ipc
 
     regions = _regions(ops)
     for i, a in enumerate(arrays):
-        prefix = f"ipc-{os.getpid()}-{_cuda_ipc.export(a).buffer_id}-"
+        prefix = f"ipc-{os.getpid()}-{cuda_ipc.export(a).buffer_id}-"
         kinds = [kind for name, kind in regions.items() if name.startswith(prefix)]
         assert kinds == ["cuda_ipc"], f"input {i}: no cuda_ipc region {prefix}* in the daemon's {sorted(regions)}"
 

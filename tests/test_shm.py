@@ -21,6 +21,7 @@ from xreduce import _shm
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import SESSION_METADATA
 
 pytestmark = pytest.mark.skipif(not _shm.available(), reason="no POSIX shared memory (/dev/shm) on this host")
 
@@ -60,7 +61,7 @@ class Session:
 
     @property
     def md(self):
-        return ((_shm.SESSION_METADATA, self.id),)
+        return ((SESSION_METADATA, self.id),)
 
     def segment(self, size: int, name: str | None = None) -> _shm.Segment:
         seg = _shm.Segment(size, "xrt")
@@ -238,7 +239,7 @@ def test_another_clients_region_is_refused(stub, session):
     finally:
         other.close()
     code, details = code_and_details(lambda: stub.Reduce(
-        reduce_request(seg.name, 4), metadata=((_shm.SESSION_METADATA, "forged-session-id"),), timeout=10))
+        reduce_request(seg.name, 4), metadata=((SESSION_METADATA, "forged-session-id"),), timeout=10))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "is not open" in details
     assert_serves(stub)
 

@@ -15,10 +15,11 @@ import pytest
 import xreduce
 from daemon import DaemonProcess
 from google.protobuf.duration_pb2 import Duration
-from xreduce import _codec as codec
-from xreduce._streaming import chunk_message, stream_batch_reduce, streamed_tensor
+from xreduce._streaming import stream_batch_reduce
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
+from xreduce.wire.framing import chunk_message, streamed_tensor
 
 HERE = pathlib.Path(__file__).resolve().parent / "conformance"
 DOC = json.loads((HERE / "cases.json").read_text())

@@ -1,7 +1,8 @@
 """xreduce: the client SDK of the xreduce cross-device reduction daemon.
 
 ``xreduce.distribute`` mirrors ``tf.distribute``'s cross-device API and
-``xreduce.distribution`` mirrors ``keras.distribution``'s utilities.
+``xreduce.distribution`` mirrors ``keras.distribution``'s utilities;
+``xreduce.wire`` holds what the SDK and the daemon agree on besides the messages.
 
 Example:
     >>> import numpy as np
@@ -12,10 +13,8 @@ Example:
     array([2., 2.])
 """
 
-from xreduce import distribute, distribution
-from xreduce._client import DEFAULT_ADDRESS, Client, resolve_address
-from xreduce._codec import SUPPORTED_DTYPES
-from xreduce._devices import DeviceName, canonical
+from xreduce import distribute, distribution, wire
+from xreduce._client import Client, resolve_address
 from xreduce._embedded import serve_embedded
 from xreduce._errors import (
     AbortedError,
@@ -31,6 +30,7 @@ from xreduce._errors import (
     XReduceError,
 )
 from xreduce._shm import shared_array
+from xreduce.wire import DEFAULT_ADDRESS, SUPPORTED_DTYPES, DeviceName, canonical
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -54,4 +54,5 @@ __all__ = [
     "resolve_address",
     "serve_embedded",
     "shared_array",
+    "wire",
 ]

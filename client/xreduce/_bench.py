@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser, parse_bytes: Callable[[str], int])
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    from xreduce._codec import SUPPORTED_DTYPES
+    from xreduce.wire.codec import SUPPORTED_DTYPES
 
     if args.dtype not in SUPPORTED_DTYPES:
         p.error(f"--dtype: {args.dtype!r} is not one the wire carries; supported: {', '.join(SUPPORTED_DTYPES)}")
@@ -331,7 +331,7 @@ def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[str]:
 
 def _device_names(address: str, timeout: float) -> tuple[list[str], str]:
     from xreduce._client import Client
-    from xreduce._devices import DeviceName
+    from xreduce.wire.devices import DeviceName
 
     with Client(address, timeout=timeout) as client:
         reply = client.list_devices()

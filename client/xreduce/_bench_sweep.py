@@ -136,9 +136,9 @@ def numpy_dtype(name: str) -> np.dtype:
         >>> numpy_dtype("bfloat16").name, numpy_dtype("float32").itemsize
         ('bfloat16', 4)
     """
-    from xreduce import _codec
+    from xreduce.wire import codec
 
-    return _codec.numpy_dtype(_codec.dtype_enum(name))
+    return codec.numpy_dtype(codec.dtype_enum(name))
 
 
 def human_size(n: int) -> str:

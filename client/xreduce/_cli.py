@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from xreduce import _bench
+from xreduce.wire.contract import DEFAULT_ADDRESS, METHOD_PREFIX
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -49,9 +50,6 @@ def _plan(args: argparse.Namespace) -> int:
         plan = planner.reduction_to_one_device(devices, devices, elements, dtype.itemsize)
     print(planner.describe(plan))
     return 0
-
-
-_SERVICE_PREFIX = "/xreduce.v1.CrossDeviceOps/"
 
 
 def human_bytes(n: float) -> str:
@@ -122,7 +120,7 @@ def describe_status(status, address: str) -> str:
     rows = []
     for m in status.methods:
         codes = sorted(m.calls_by_code.items(), key=lambda kv: (kv[0] != "OK", kv[0]))
-        rows.append((m.method.removeprefix(_SERVICE_PREFIX).lstrip("/"), str(sum(m.calls_by_code.values())),
+        rows.append((m.method.removeprefix(METHOD_PREFIX).lstrip("/"), str(sum(m.calls_by_code.values())),
                      ", ".join(f"{code} {n}" for code, n in codes), human_bytes(m.bytes_in),
                      human_bytes(m.bytes_out)))
     header = ("calls", "total", "by status", "bytes in", "bytes out")
@@ -184,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = sub.add_parser(
         "status", help="show a running daemon's devices, limits and counters",
         description="Shows a running daemon's devices, limits and counters (its GetStatus). The daemon is "
-        "--address, else XREDUCE_ADDRESS, else 127.0.0.1:50551; the token comes from XREDUCE_TOKEN and TLS "
+        f"--address, else XREDUCE_ADDRESS, else {DEFAULT_ADDRESS}; the token comes from XREDUCE_TOKEN and TLS "
         "from the XREDUCE_TLS_* variables, as for the SDK. Exits 1 when the daemon cannot be reached.")
     status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")
     status.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")

@@ -21,9 +21,7 @@ from xreduce import _shm
 from xreduce._errors import from_rpc_error
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
-
-DEFAULT_ADDRESS = "127.0.0.1:50551"
-"""The daemon's default listen address, and where the SDK looks last."""
+from xreduce.wire.contract import DEFAULT_ADDRESS, SERVICE_NAME
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a call may take when the caller gives no timeout: no wait is unbounded."""
@@ -41,8 +39,7 @@ ENV_TLS_CLIENT_KEY = "XREDUCE_TLS_CLIENT_KEY"
 ENV_TLS_SERVER_NAME = "XREDUCE_TLS_SERVER_NAME"
 """The name the daemon's certificate is checked against, instead of the address's host."""
 
-SERVICE = "xreduce.v1.CrossDeviceOps"
-IDEMPOTENT_METHODS = ((SERVICE, "ListDevices"), (SERVICE, "GetStatus"), ("grpc.health.v1.Health", "Check"))
+IDEMPOTENT_METHODS = ((SERVICE_NAME, "ListDevices"), (SERVICE_NAME, "GetStatus"), ("grpc.health.v1.Health", "Check"))
 """The calls retried on UNAVAILABLE; collectives (Reduce, BatchReduce, Broadcast, JoinGroup) never are."""
 
 RETRY_POLICY = {

@@ -41,16 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from xreduce import _client, _codec, _cuda_ipc, _shm
+from xreduce import _client
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec, cuda_ipc
+from xreduce.wire.contract import SESSION_METADATA
+from xreduce.wire.layout import OUTPUT_ALIGNMENT
 
 MAX_REGIONS = 64
 """CUDA IPC regions a process keeps registered per daemon session (more for a call using over half as many)."""
 FREE_OUTPUTS_KEPT = 4
 """Free output buffers per GPU kept for the next calls."""
 MIN_OUTPUT_BYTES = 1 << 20
-ALIGNMENT = 64
-"""The daemon places results at multiples of this from the output slice's start (which must be one too)."""
 
 _lock = threading.RLock()
 _pid = os.getpid()
@@ -104,7 +105,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
     for a in flat:
         if not isinstance(a, cupy.ndarray) or a.size == 0 or not a.flags.c_contiguous:
             return None
-        if np.dtype(a.dtype).name not in _codec.SUPPORTED_DTYPES:
+        if np.dtype(a.dtype).name not in codec.SUPPORTED_DTYPES:
             return None
         if device_id is None:
             device_id = a.device.id
@@ -116,7 +117,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
     if not session.cuda_ipc:
         return None
     try:
-        exports = {id(a): _cuda_ipc.export(a) for a in flat}
+        exports = {id(a): cuda_ipc.export(a) for a in flat}
     except (ValueError, RuntimeError):  # e.g. cudaMallocAsync or managed memory: the host path copies it
         return None
     return DeviceStaging(shm, session, device_id, exports)
@@ -144,7 +145,7 @@ class DeviceStaging:
         self._session = session
         self._device_id = device_id
         self._exports = exports
-        self._metadata = ((_shm.SESSION_METADATA, session.id),)
+        self._metadata = ((SESSION_METADATA, session.id),)
         self._pinned: list[_Region] = []
         _forget_dead()
 
@@ -161,10 +162,10 @@ class DeviceStaging:
         tensors, used = [], {}
         try:
             for a in arrays:
-                export = self._exports.get(id(a)) or _cuda_ipc.export(a)
+                export = self._exports.get(id(a)) or cuda_ipc.export(a)
                 region = self._region(export)
                 used[id(region)] = region
-                tensors.append(pb.Tensor(dtype=_codec.dtype_enum(a.dtype), shape=a.shape, region=pb.RegionSlice(
+                tensors.append(pb.Tensor(dtype=codec.dtype_enum(a.dtype), shape=a.shape, region=pb.RegionSlice(
                     name=region.name, offset=export.offset, byte_size=int(a.nbytes))))
             self._record(used.values())
         except BaseException:
@@ -185,14 +186,14 @@ class DeviceStaging:
         cp, device_id = self._cp, self._device_id
         buffer = _outputs.acquire(cp, device_id, max(nbytes, 1))
         try:
-            export = _cuda_ipc.export(buffer)
+            export = cuda_ipc.export(buffer)
             region = self._region(export)
             self._record([region])  # the daemon writes after what the stream queued (reads of earlier results)
         except BaseException:
             _outputs.release(device_id, buffer)
             raise
-        skip = -export.offset % ALIGNMENT
-        size = int(buffer.nbytes) - ALIGNMENT
+        skip = -export.offset % OUTPUT_ALIGNMENT
+        size = int(buffer.nbytes) - OUTPUT_ALIGNMENT
         start = export.offset + skip
         lease = _Lease(buffer)
         memory = cp.cuda.UnownedMemory(buffer.data.ptr + skip, size, lease, device_id)
@@ -202,8 +203,8 @@ class DeviceStaging:
         def result(tensor: pb.Tensor):
             if not tensor.HasField("region"):
                 with cp.cuda.Device(device_id):
-                    return cp.asarray(_codec.decode(tensor))
-            dtype, shape = _codec.spec(tensor)
+                    return cp.asarray(codec.decode(tensor))
+            dtype, shape = codec.spec(tensor)
             r = tensor.region
             at = r.offset - start
             if r.name != region.name or at < 0 or at + r.byte_size > size:
@@ -219,7 +220,7 @@ class DeviceStaging:
         with _lock:
             region = _regions.get(key)
             if region is None:
-                event, handle = _cuda_ipc.ready_event(export.device_id)
+                event, handle = cuda_ipc.ready_event(export.device_id)
                 name = f"ipc-{os.getpid()}-{export.buffer_id}-{next(_names)}"
                 self._shm._call("RegisterRegion", pb.RegisterRegionRequest(
                     name=name, offset=0, byte_size=export.alloc_size, cuda_ipc=pb.CudaIpcHandle(
@@ -274,7 +275,7 @@ def _evict(keep: int) -> None:
         if region.session.alive.is_set():
             with contextlib.suppress(Exception):
                 region.call("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name),
-                            ((_shm.SESSION_METADATA, region.session.id),))
+                            ((SESSION_METADATA, region.session.id),))
 
 
 class _Lease:
@@ -294,16 +295,16 @@ class _OutputPool:
         self._free: dict[int, list[Any]] = {}
 
     def acquire(self, cp, device_id: int, nbytes: int):
-        """A free buffer with at least ``nbytes`` usable (past :data:`ALIGNMENT` bytes of slack), or a new one."""
+        """A free buffer with at least ``nbytes`` usable past :data:`OUTPUT_ALIGNMENT` bytes of slack, or a new one."""
         with self._lock:
             free = self._free.get(device_id, [])
-            fits = [b for b in free if b.nbytes - ALIGNMENT >= nbytes]
+            fits = [b for b in free if b.nbytes - OUTPUT_ALIGNMENT >= nbytes]
             if fits:
                 buffer = min(fits, key=lambda b: b.nbytes)
                 free.remove(buffer)
                 return buffer
         with cp.cuda.Device(device_id):
-            return cp.empty(max(MIN_OUTPUT_BYTES, 1 << (nbytes - 1).bit_length()) + ALIGNMENT, cp.uint8)
+            return cp.empty(max(MIN_OUTPUT_BYTES, 1 << (nbytes - 1).bit_length()) + OUTPUT_ALIGNMENT, cp.uint8)
 
     def release(self, device_id: int, buffer) -> None:
         with self._lock:

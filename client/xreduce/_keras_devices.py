@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 
 from xreduce._client import Client, ProcessGroup, process_group, set_process_group
-from xreduce._devices import DeviceName
 from xreduce._errors import DeadlineExceededError, UnavailableError
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.devices import DeviceName
 
 ENV_JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from xreduce._devices import DeviceName
 from xreduce._keras_devices import list_devices
 from xreduce._ops import CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp
 from xreduce._values import DistributedValues, PerReplica
+from xreduce.wire.devices import DeviceName
 
 DEFAULT_BATCH_DIM_NAME = "batch"
 """The mesh axis name DataParallel uses when it builds its own mesh."""

@@ -14,14 +14,17 @@ from typing import Any
 import numpy as np
 from google.protobuf import duration_pb2
 
-from xreduce import _codec as codec
 from xreduce import _ipc, _shm, _streaming
 from xreduce._arrays import device_of, is_tensor, to_host
 from xreduce._client import Client, process_group
-from xreduce._devices import canonical
 from xreduce._errors import XReduceError
 from xreduce._values import DistributedValues, Mirrored, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import mean_dtype
+from xreduce.wire.devices import canonical
+from xreduce.wire.framing import streamed_tensor
+from xreduce.wire.layout import output_layout
 
 _DEST_TYPE_ERROR = (
     "destinations must be one of a `DistributedValues` object, a tf.Variable object, or a device string."
@@ -280,7 +283,7 @@ class CrossDeviceOps:
                     try:
                         (staged,), free = shm.stage([host.array])
                         output, result = shm.output(
-                            _shm.output_bytes([(len(dests), host.array.dtype, host.array.shape)]))
+                            output_layout([(len(dests), host.array.dtype, host.array.shape)]).nbytes)
                     except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
                         if self._client.transport == "shm":
                             raise
@@ -376,7 +379,7 @@ class CrossDeviceOps:
         """``_batch`` over ``ReduceStream``: large payloads in chunks, with no message limit."""
         header = pb.BatchReduceRequest(pairs=[
             pb.ReducePair(destinations=dests, value=pb.DistributedValue(components=[
-                pb.Component(device=d, tensor=_streaming.streamed_tensor(h.array)) for d, h in zip(devs, hs)]))
+                pb.Component(device=d, tensor=streamed_tensor(h.array)) for d, h in zip(devs, hs)]))
             for (_, devs, dests), hs in zip(wire, hosts)], **fields)
         results = _streaming.stream_batch_reduce(self._client, header, [[h.array for h in hs] for hs in hosts],
                                                  timeout)
@@ -411,10 +414,10 @@ class CrossDeviceOps:
             it = iter(tensors)
             values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in devs])
                       for (_, devs, _) in wire]
-            output, result = make_output(_shm.output_bytes([
-                (len(dests), _result_dtype(op, np.dtype(first.dtype)), tuple(first.shape))
+            output, result = make_output(output_layout([
+                (len(dests), mean_dtype(first.dtype) if op is ReduceOp.MEAN else first.dtype, tuple(first.shape))
                 for (_, _, dests), first in zip(wire, firsts)
-            ]))
+            ]).nbytes)
             metadata = shm.metadata()
             if single:
                 (_, _, dests), = wire
@@ -444,7 +447,7 @@ class CrossDeviceOps:
 
 
 def _mean(total: np.ndarray, n: int) -> np.ndarray:
-    f = _result_dtype(ReduceOp.MEAN, total.dtype).type
+    f = mean_dtype(total.dtype).type
     return (total.astype(f) if total.dtype.kind in "iu" else total) / f(n)
 
 
@@ -473,13 +476,6 @@ def _collective(client: Client, group):
             with contextlib.suppress(Exception):
                 client.call("BatchReduce", pb.BatchReduceRequest(collective=spec), 10.0)
         raise
-
-
-def _result_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
-    """The widest dtype a result can have (MEAN promotes integers)."""
-    if op is ReduceOp.MEAN and dtype.kind in "iu":
-        return np.dtype(np.float32 if dtype.itemsize <= 2 else np.float64)
-    return dtype
 
 
 def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:

@@ -37,14 +37,13 @@ import numpy as np
 
 from xreduce._errors import XReduceError
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.contract import SESSION_METADATA
+from xreduce.wire.layout import OUTPUT_ALIGNMENT
 
 SHM_DIR = "/dev/shm"
-SESSION_METADATA = "x-xreduce-session"
 ENV_TRANSPORT = "XREDUCE_TRANSPORT"
 """``auto`` (shared memory when the daemon shares this host, else the wire), ``shm`` or ``wire``."""
 TRANSPORTS = ("auto", "shm", "wire")
-OUTPUT_ALIGNMENT = 64
-"""The daemon places each result component at a multiple of this (its ``OUTPUT_ALIGNMENT``)."""
 MIN_SEGMENT_BYTES = 1 << 20
 FREE_SEGMENTS_KEPT = 4
 COPY_RESULTS_UP_TO = 64 << 10
@@ -402,7 +401,7 @@ class Transport:
         Returns:
             (the tensors, a function that frees the staging space once the call returned).
         """
-        from xreduce import _codec as codec
+        from xreduce.wire import codec
 
         drain()
         placed: list[tuple[str, int, int] | None] = []
@@ -438,7 +437,7 @@ class Transport:
             (the slice to send, a function turning a reply tensor into an array:
             a view of the segment).
         """
-        from xreduce import _codec as codec
+        from xreduce.wire import codec
 
         drain()
         seg = self._acquire(self._outputs, max(nbytes, 1))
@@ -508,18 +507,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def output_bytes(results: Sequence[tuple[int, np.dtype, tuple[int, ...]]]) -> int:
-    """Bytes an output slice needs for results given as (destinations, dtype, shape), laid out as the daemon does.
-
-    Example:
-        >>> output_bytes([(2, np.dtype("float32"), (3,))])
-        76
-    """
-    total = 0
-    for count, dtype, shape in results:
-        nbytes = math.prod(shape) * dtype.itemsize
-        for _ in range(count):
-            total += -total % OUTPUT_ALIGNMENT + nbytes
-    return total

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from xreduce._client import process_group
-from xreduce._devices import canonical
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
 from xreduce._values import DistributedValues, PerReplica
+from xreduce.wire.devices import canonical
 
 _state = threading.local()
 

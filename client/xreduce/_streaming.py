@@ -9,11 +9,9 @@ arrives, while the next range is still on the wire. The reply is a header
 an earlier one) followed by the chunks of the results' data; a mirrored
 component's data travels once and is copied into each mirror as it arrives.
 
-Chunks are encoded by hand (:func:`chunk_message`): protobuf would copy each
-chunk's bytes three times (into a ``bytes``, into the message, into its
-serialization); here a slice of the caller's array is copied once, into the
-message that goes on the wire. Memory stays bounded on both sides: gRPC
-holds one chunk at a time, and the daemon buffers only what it cannot
+Chunks are encoded by hand (:func:`xreduce.wire.framing.chunk_message`), each
+slice of the caller's array copied once. Memory stays bounded on both sides:
+gRPC holds one chunk at a time, and the daemon buffers only what it cannot
 reduce yet.
 """
 
@@ -25,97 +23,19 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
-from xreduce import _codec as codec
 from xreduce._errors import InternalError, from_rpc_error
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import method_path
+from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, chunk_message
 
-METHOD = "/xreduce.v1.CrossDeviceOps/ReduceStream"
-
-DEFAULT_CHUNK_BYTES = 512 << 10
-"""Bytes of tensor data per chunk message: 512 KiB. Streaming 64 MiB (8 replicas) with
-chunks of 256 KiB to 4 MiB, 512 KiB was fastest over a unix socket and loopback TCP
-(256 KiB within 5%, 1 MiB 15-20% slower, 2 and 4 MiB about 2x slower): large enough that
-per-message costs vanish, small enough that receiving, reducing and replying overlap and
-that the daemon buffers little. It fits any ``--max-message-bytes`` of 1 MiB or more."""
+METHOD = method_path("ReduceStream")
 
 STREAM_THRESHOLD_BYTES = 256 << 10
 """Above this many bytes of tensor data in a request, stream it (:func:`stream_batch_reduce`)
 rather than send one ``BatchReduce``: ``bench/wire_bench.py --crossover`` measured the two
 equal at 256 KiB (2 and 8 replicas), streaming about 1.5x faster at 512 KiB, 2x at 1 MiB
 and 3x to 10x from 2 MiB to 16 MiB."""
-
-
-def _varint(n: int) -> bytes:
-    """``n`` as a protobuf varint (negative numbers as 64-bit two's complement)."""
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _varint_size(n: int) -> int:
-    n &= (1 << 64) - 1
-    return max(1, (n.bit_length() + 6) // 7)
-
-
-def _chunk_fields(pair: int, component: int, offset: int, nbytes: int) -> bytes:
-    """The ``TensorChunk`` fields before ``data``'s bytes, zeros left out as protobuf does."""
-    head = bytearray()
-    for tag, v in ((0x08, pair), (0x10, component), (0x18, offset)):
-        if v:
-            head += bytes((tag,)) + _varint(v)
-    if nbytes:
-        head += b"\x22" + _varint(nbytes)
-    return bytes(head)
-
-
-def chunk_message(pair: int, component: int, offset: int, data) -> bytes:
-    """A serialized ``ReduceStreamRequest`` holding one chunk, with ``data`` copied once.
-
-    Args:
-        pair: the pair's index in the header.
-        component: the component's index in the pair's value.
-        offset: where ``data`` starts in the tensor's raw bytes.
-        data: the bytes, e.g. a ``memoryview`` slice of the array.
-
-    Returns:
-        The same bytes protobuf would serialize.
-
-    Example:
-        >>> m = chunk_message(1, 2, 8, memoryview(b"abcd")[2:])
-        >>> m == pb.ReduceStreamRequest(
-        ...     chunk=pb.TensorChunk(pair=1, component=2, offset=8, data=b"cd")).SerializeToString()
-        True
-    """
-    n = len(data)
-    head = _chunk_fields(pair, component, offset, n)
-    return b"".join((b"\x12", _varint(len(head) + n), head, data))
-
-
-def chunk_message_size(pair: int, component: int, offset: int, nbytes: int) -> int:
-    """Bytes of the serialized ``ReduceStreamRequest`` (or ``ReduceStreamResponse``) holding one chunk.
-
-    Example:
-        >>> chunk_message_size(1, 2, 8, 2) == len(chunk_message(1, 2, 8, b"cd"))
-        True
-    """
-    inner = len(_chunk_fields(pair, component, offset, nbytes)) + nbytes
-    return 1 + _varint_size(inner) + inner
-
-
-def streamed_tensor(array: np.ndarray) -> pb.Tensor:
-    """The header's ``Tensor`` for ``array``: dtype, shape, ``streamed: true``, no data.
-
-    Example:
-        >>> t = streamed_tensor(np.zeros((2, 3), np.float32))
-        >>> list(t.shape), t.streamed, t.raw_data
-        ([2, 3], True, b'')
-    """
-    array = np.asarray(array)
-    return pb.Tensor(dtype=codec.dtype_enum(array.dtype), shape=array.shape, streamed=True)
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
@@ -229,7 +149,7 @@ def stream_batch_reduce(
     Args:
         client: the :class:`xreduce.Client` to use.
         header: the ``BatchReduceRequest``: op, options and, per pair, the
-            devices and destinations, with tensors made by :func:`streamed_tensor`
+            devices and destinations, with tensors made by :func:`~xreduce.wire.framing.streamed_tensor`
             (dtype, shape, ``streamed: true``, no data). A multi-process
             ``collective`` is refused by the daemon (use ``BatchReduce``).
         arrays: ``arrays[p][c]`` is the data of pair ``p``'s component ``c``;
@@ -247,6 +167,7 @@ def stream_batch_reduce(
 
     Example:
         >>> import xreduce
+        >>> from xreduce.wire.framing import streamed_tensor
         >>> with xreduce.serve_embedded(virtual_devices=2):
         ...     x = [np.arange(3, dtype=np.float32), np.ones(3, np.float32)]
         ...     header = pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(

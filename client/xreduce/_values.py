@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from xreduce._arrays import HostArray, to_host
-from xreduce._devices import canonical
+from xreduce.wire.devices import canonical
 
 
 class DistributedValues:

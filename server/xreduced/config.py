@@ -10,8 +10,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
-DEFAULT_ADDRESS = "127.0.0.1:50551"
-"""Where the daemon listens, and the SDK looks, when nothing else is said."""
+from xreduce.wire.contract import DEFAULT_ADDRESS
 
 _MAX_GRPC_MESSAGE = (1 << 31) - 1
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xreduce._devices import DeviceName
+from xreduce.wire.devices import DeviceName
 
 from xreduced.backends import DeviceInfo
 from xreduced.errors import InvalidArgument, NotFound

@@ -12,9 +12,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from xreduce.wire.contract import mean_dtype
 
 from xreduced import planner
-from xreduced.backends import Backend, mean_dtype
+from xreduced.backends import Backend
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Deadline, check_out, execute, write
 
@@ -170,7 +171,7 @@ class Engine:
         Args:
             out: one entry per pair: None, or destination device -> a writable
                 array of the result's dtype (:func:`result_dtype`: the value's,
-                or for MEAN of integers :func:`~xreduced.backends.mean_dtype`'s,
+                or for MEAN of integers :func:`~xreduce.wire.contract.mean_dtype`'s,
                 except on the identity route) and the value's shape. Results go
                 straight into those arrays, and the pair's :class:`Result`
                 holds them; destinations it leaves out get fresh arrays.

@@ -30,8 +30,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import Backend, mean_dtype
+from xreduced.backends import Backend
 from xreduced.backends.numpy_backend import divide
 from xreduced.errors import DeadlineExceeded, InvalidArgument
 from xreduced.planner import Copy, Plan, Sum

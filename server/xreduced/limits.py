@@ -54,10 +54,10 @@ import threading
 from collections.abc import Hashable, Iterator
 
 import grpc
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import mean_dtype
 from xreduced.config import Config
 from xreduced.errors import ServiceError
 

@@ -16,8 +16,9 @@ import logging
 import math
 
 import numpy as np
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
 
 from xreduced.engine import Result
 from xreduced.errors import InvalidArgument, PermissionDenied, ServiceError
@@ -27,9 +28,6 @@ log = logging.getLogger("xreduced.service")
 
 _LOCAL_PEERS = ("unix:", "ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D")
 """``context.peer()`` prefixes of callers on the daemon's host."""
-
-OUTPUT_ALIGNMENT = 64
-"""Every result component written into an output region starts at a multiple of this."""
 
 
 class RegionMixin:
@@ -106,7 +104,7 @@ class RegionMixin:
             raise InvalidArgument(f"{field}.shape: numpy cannot make an array of shape {list(shape)} ({e})") from None
 
     def _layout(self, output: pb.RegionSlice, results) -> list[dict[int, tuple[str, int, object]]]:
-        """Places each result component in ``output``, 64-byte aligned and in order.
+        """Places each result component in ``output`` as :func:`~xreduce.wire.layout.output_layout` says.
 
         Args:
             results: per result, (destination devices, dtype, shape).
@@ -114,23 +112,17 @@ class RegionMixin:
         Returns:
             Per result, destination device -> (region name, offset in it, writable view).
         """
-        total, places = 0, []
-        for dests, dtype, shape in results:
-            nbytes = math.prod(shape) * dtype.itemsize
-            for d in dests:
-                total += -total % OUTPUT_ALIGNMENT
-                places.append((d, dtype, shape, total, nbytes))
-                total += nbytes
+        offsets, total = output_layout([(len(dests), dtype, shape) for dests, dtype, shape in results])
         if total > output.byte_size:
             raise InvalidArgument(f"output.byte_size: the results need {total} bytes ({OUTPUT_ALIGNMENT}-byte "
                                   f"aligned, in order); the slice has {output.byte_size}")
         if output.offset % OUTPUT_ALIGNMENT:
             raise InvalidArgument(f"output.offset: must be a multiple of {OUTPUT_ALIGNMENT}; got {output.offset}")
-        out, it = [], iter(places)
-        for dests, _, _ in results:
+        out = []
+        for (dests, dtype, shape), places in zip(results, offsets):
+            nbytes = math.prod(shape) * dtype.itemsize
             mapping = {}
-            for _ in dests:
-                d, dtype, shape, at, nbytes = next(it)
+            for d, at in zip(dests, places):
                 view = self.regions.resolve(output.name, output.offset + at, nbytes, "output")
                 mapping[d] = (output.name, output.offset + at, _view(view, dtype, shape))
             out.append(mapping)

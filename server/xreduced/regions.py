@@ -37,11 +37,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+from xreduce.wire.contract import SESSION_METADATA
 
 from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
-
-SESSION_METADATA = "x-xreduce-session"
-"""The metadata key that carries a call's session id."""
 
 SHM_DIR = "/dev/shm"
 """Where POSIX shared-memory objects live on Linux."""

@@ -14,8 +14,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire.contract import SERVICE_NAME
 
 from xreduced import observability, security
 from xreduced.backends import Backend
@@ -24,8 +24,6 @@ from xreduced.engine import Engine
 from xreduced.service import CrossDeviceOpsService
 
 log = logging.getLogger("xreduced")
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].full_name
 
 
 def make_backend(config: Config) -> Backend:

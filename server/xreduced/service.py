@@ -15,9 +15,10 @@ import time
 
 import grpc
 import numpy as np
-from xreduce import _codec as codec
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
+from xreduce.wire.contract import METHOD_PREFIX
 
 from xreduced import planner, streaming
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, label, reduce_together
@@ -55,8 +56,6 @@ _ROUTES = {
     planner.HIERARCHICAL_COPY: pb.ROUTE_HIERARCHICAL_COPY,
     planner.REDUCTION_TO_ONE_DEVICE: pb.ROUTE_REDUCTION_TO_ONE_DEVICE,
 }
-_METHOD = "/" + pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].full_name + "/"
-"""Prefix of the full method names, as metrics label them."""
 
 
 def _status(handler):
@@ -349,7 +348,7 @@ class CrossDeviceOpsService(RegionMixin, pb_grpc.CrossDeviceOpsServicer):
         if size is None:  # no interceptor measured it (the service used on its own)
             size = request.ByteSize()
         try:
-            self.stats.limits.check_request(size, _METHOD + method)
+            self.stats.limits.check_request(size, METHOD_PREFIX + method)
             release = self.stats.admit(request, size)
         except LimitExceeded as e:
             self.stats.rejected(e.limit)
@@ -372,7 +371,7 @@ class CrossDeviceOpsService(RegionMixin, pb_grpc.CrossDeviceOpsServicer):
         """Runs ``reduce()`` and records its seconds and algbw under method ``kind``."""
         start = time.perf_counter()
         result = reduce()
-        self.stats.observe_reduction(_METHOD + kind, time.perf_counter() - start, replica_bytes)
+        self.stats.observe_reduction(METHOD_PREFIX + kind, time.perf_counter() - start, replica_bytes)
         return result
 
     @contextlib.contextmanager

@@ -42,9 +42,10 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
-from xreduce import _codec as codec
-from xreduce._streaming import chunk_message_size
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import method_path
+from xreduce.wire.framing import CHUNK_OVERHEAD_BYTES, REPLY_CHUNK_BYTES, chunk_message_size
 
 from xreduced import observability, planner
 from xreduced import service as svc
@@ -55,17 +56,10 @@ from xreduced.limits import LimitExceeded
 
 log = logging.getLogger("xreduced.calls")
 
-METHOD = "/xreduce.v1.CrossDeviceOps/ReduceStream"
+METHOD = method_path("ReduceStream")
 
 INBOX_MESSAGES = 4
 """Received messages waiting for the reducer, at most; then the receiver stops reading."""
-
-REPLY_CHUNK_BYTES = (1 << 20) - 64
-"""Most data bytes in one reply chunk (less with a smaller ``--max-message-bytes``): a chunk
-message stays within 1 MiB; the result of a larger range leaves in several."""
-
-CHUNK_OVERHEAD_BYTES = 64
-"""More than a chunk message's bytes besides its data (tags, lengths, indices, offset)."""
 
 
 class _Cancelled(ServiceError):
@@ -261,16 +255,21 @@ def reduce_stream(service, request_iterator, context) -> Iterator[pb.ReduceStrea
     call is counted in the daemon's stats.
 
     Example:
-        >>> import numpy as np, xreduce
-        >>> from xreduce._streaming import stream_batch_reduce, streamed_tensor
-        >>> with xreduce.serve_embedded(virtual_devices=2):
-        ...     t = streamed_tensor(np.zeros(4, np.int32))
-        ...     header = pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_MEAN, pairs=[pb.ReducePair(
-        ...         value=pb.DistributedValue(components=[pb.Component(device="CPU:0", tensor=t),
-        ...                                               pb.Component(device="CPU:1", tensor=t)]))])
-        ...     x = [np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32) + 1]
-        ...     [(_, results)] = stream_batch_reduce(xreduce.Client(), header, [x])
-        >>> results[0][1]
+        >>> from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+        >>> from xreduce.wire.framing import streamed_tensor
+        >>> from xreduced.config import Config
+        >>> from xreduced.server import Daemon
+        >>> x = [np.arange(4, dtype="<i4"), np.arange(4, dtype="<i4") + 1]
+        >>> header = pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_MEAN, pairs=[pb.ReducePair(
+        ...     value=pb.DistributedValue(components=[
+        ...         pb.Component(device=f"CPU:{i}", tensor=streamed_tensor(a)) for i, a in enumerate(x)]))])
+        >>> requests = [pb.ReduceStreamRequest(header=header)] + [
+        ...     pb.ReduceStreamRequest(chunk=pb.TensorChunk(component=i, data=a.tobytes())) for i, a in enumerate(x)]
+        >>> daemon = Daemon(Config(listen="127.0.0.1:0", backend="numpy", virtual_devices=2)).start()
+        >>> with grpc.insecure_channel(daemon.address) as channel:
+        ...     replies = list(pb_grpc.CrossDeviceOpsStub(channel).ReduceStream(iter(requests)))
+        >>> daemon.stop()
+        >>> np.frombuffer(replies[1].chunk.data, "<f8")
         array([0.5, 1.5, 2.5, 3.5])
     """
     call_id = next(observability._ids)

@@ -64,18 +64,6 @@ class Backend(Protocol):
     def synchronize(self) -> None: ...
 
 
-def mean_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype of a MEAN result: integers are promoted as TF does.
-
-    Example:
-        >>> mean_dtype(np.dtype(np.int16)).name, mean_dtype(np.dtype(np.uint32)).name
-        ('float32', 'float64')
-    """
-    if dtype.kind in "iu":
-        return np.dtype(np.float32 if dtype.itemsize <= 2 else np.float64)
-    return dtype
-
-
 def dgx1_peer_matrix(n: int) -> list[list[bool]]:
     """Peer access of ``n`` devices shaped like a DGX-1: two fully connected
     halves, plus the link from device ``i`` to ``i + n//2`` across them.

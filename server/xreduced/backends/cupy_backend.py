@@ -24,8 +24,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import DeviceInfo, exact_f32, mean_dtype
+from xreduced.backends import DeviceInfo, exact_f32
 from xreduced.backends.cupy_ipc import _BF16, DeviceBits, IpcMixin, IpcRegion, device_view
 from xreduced.backends.numpy_backend import divide
 

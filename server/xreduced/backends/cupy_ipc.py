@@ -126,7 +126,7 @@ class IpcMixin:
 
     def _map(self, key: tuple[bytes, int]) -> tuple[int, int | None]:
         """Opens (or shares) the mapping of ``key``; returns its base and size (None: unknown)."""
-        from xreduce import _cuda_ipc
+        from xreduce.wire import cuda_ipc
 
         rt = self._cp.cuda.runtime
         handle, device_id = key
@@ -148,7 +148,7 @@ class IpcMixin:
                                      f"device_id={device_id} (do the caller and the daemon see the same devices? "
                                      "compare their CUDA_VISIBLE_DEVICES)")
                 try:
-                    start, length = _cuda_ipc.allocation_range(ptr)
+                    start, length = cuda_ipc.allocation_range(ptr)
                     size = start + length - ptr
                 except RuntimeError as e:
                     _LOG.warning("event=ipc_size_unknown error=%r: region bounds are not checked", str(e))

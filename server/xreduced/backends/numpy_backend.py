@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import DeviceInfo, dgx1_peer_matrix, mean_dtype
+from xreduced.backends import DeviceInfo, dgx1_peer_matrix
 
 
 class NumpyBackend:
