@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -21,9 +23,15 @@ def test_mirrored_numpy_loss_falls_every_few_steps():
     assert losses[-1] < losses[0] / 10
 
 
-def test_xreduce_plan_prints_the_steps():
+PLAN_COMMANDS = {"xreduced plan": ["xreduced"], "xreduce plan": ["xreduce._cli"]}
+"""The daemon's command, and the SDK's, which runs it."""
+
+
+@pytest.mark.parametrize("command", PLAN_COMMANDS)
+def test_xreduce_plan_prints_the_steps(command):
     out = subprocess.run(
-        [sys.executable, "-m", "xreduce._cli", "plan", "--devices", "8", "--num-packs", "2", "--bytes", "1MiB"],
+        [sys.executable, "-m", *PLAN_COMMANDS[command], "plan",
+         "--devices", "8", "--num-packs", "2", "--bytes", "1MiB"],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout
     lines = out.splitlines()
@@ -34,10 +42,21 @@ def test_xreduce_plan_prints_the_steps():
     assert lines[-1] == "total copied: 14 MiB"
 
 
-def test_xreduce_plan_rejects_bad_sizes():
+@pytest.mark.parametrize("command", PLAN_COMMANDS)
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bytes", "3"], "--bytes 3 is not a multiple of float32's 4 bytes"),
+    (["--devices", "0"], "--devices must be >= 1; got 0"),
+])
+def test_xreduce_plan_rejects_bad_arguments(command, args, message):
     result = subprocess.run(
-        [sys.executable, "-m", "xreduce._cli", "plan", "--bytes", "3"],
+        [sys.executable, "-m", *PLAN_COMMANDS[command], "plan", *args],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
-    assert "--bytes 3 is not a multiple of float32's 4 bytes" in result.stderr
+    assert message in result.stderr
+
+
+def test_xreduce_plan_help_is_the_daemons():
+    out = subprocess.run([sys.executable, "-m", "xreduce._cli", "plan", "--help"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("usage: xreduced plan") and "--num-packs" in out

@@ -1,6 +1,7 @@
 """The ``xreduce`` command: tools around the daemon.
 
-``xreduce plan`` prints the plan the daemon would run, step by step;
+``xreduce plan`` prints the plan the daemon would run, step by step (it runs
+``xreduced plan``: the planner is the daemon's);
 ``xreduce status`` shows a running daemon's devices, limits and counters;
 ``xreduce bench`` sweeps a collective over sizes, nccl-tests style, against peers.
 """
@@ -9,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from collections.abc import Sequence
-
-import numpy as np
 
 from xreduce import _bench
 from xreduce.wire.contract import DEFAULT_ADDRESS, METHOD_PREFIX
@@ -34,22 +34,9 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from xreduced import planner  # the planner ships in the same distribution
-
-    dtype = np.dtype(args.dtype)
-    if args.bytes % dtype.itemsize:
-        print(f"xreduce plan: --bytes {args.bytes} is not a multiple of {dtype.name}'s "
-              f"{dtype.itemsize} bytes", file=sys.stderr)
-        return 2
-    elements = [args.bytes // dtype.itemsize] * args.tensors
-    devices = range(args.devices)
-    if args.algorithm == "hierarchical_copy":
-        plan = planner.hierarchical_copy(devices, elements, dtype.itemsize, args.num_packs)
-    else:
-        plan = planner.reduction_to_one_device(devices, devices, elements, dtype.itemsize)
-    print(planner.describe(plan))
-    return 0
+def _plan(argv: Sequence[str]) -> int:
+    """``xreduce plan ARGS``: runs ``xreduced plan ARGS`` with this interpreter; returns its exit status."""
+    return subprocess.run([sys.executable, "-m", "xreduced", "plan", *argv]).returncode
 
 
 def human_bytes(n: float) -> str:
@@ -168,17 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         $ xreduce status --address 127.0.0.1:50551 --json
         $ xreduce bench --embedded --processes 4 --max-bytes 64MiB --peers --echo
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["plan"]:  # every argument after it is xreduced plan's
+        return _plan(argv[1:])
     p = argparse.ArgumentParser(prog="xreduce", description="xreduce tools")
     sub = p.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="print the reduction plan for a value, step by step")
-    plan.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
-    plan.add_argument("--num-packs", type=int, default=1, help="TF's num_packs (default 1; 0: no packing)")
-    plan.add_argument("--bytes", type=parse_bytes, default=parse_bytes("1MiB"),
-                      help="bytes of each tensor per device (default 1MiB)")
-    plan.add_argument("--tensors", type=int, default=1, help="tensors in the batch (default 1)")
-    plan.add_argument("--dtype", default="float32", help="element type (default float32)")
-    plan.add_argument("--algorithm", default="hierarchical_copy",
-                      choices=["hierarchical_copy", "reduction_to_one_device"])
+    # Listed for --help only: main hands `plan` and its arguments to `xreduced plan` before parsing.
+    sub.add_parser("plan", help="print the reduction plan for a value, step by step (runs `xreduced plan`; "
+                   "see `xreduce plan --help`)", add_help=False)
     status = sub.add_parser(
         "status", help="show a running daemon's devices, limits and counters",
         description="Shows a running daemon's devices, limits and counters (its GetStatus). The daemon is "
@@ -198,20 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "bench":
         return _bench.run(bench, args)
-    if args.command == "status":
-        if not args.timeout > 0:
-            p.error(f"--timeout must be positive; got {args.timeout}")
-        return _status(args)
-    for name in ("devices", "tensors"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
-    if args.num_packs < 0:
-        p.error(f"--num-packs must be >= 0; got {args.num_packs}")
-    try:
-        np.dtype(args.dtype)
-    except TypeError:
-        p.error(f"--dtype: unknown dtype {args.dtype!r}")
-    return _plan(args)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive; got {args.timeout}")
+    return _status(args)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,51 @@
-"""The ``xreduced`` command: parse, configure logging, serve until a signal."""
+"""The ``xreduced`` command: parse, configure logging, serve until a signal.
+
+``xreduced plan`` prints the plan the daemon would run for a value, step by
+step, and exits (``xreduce plan`` runs it).
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import re
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 from xreduced import config as config_lib
-from xreduced import limits
+from xreduced import limits, planner
 from xreduced.server import Daemon
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the daemon until SIGINT or SIGTERM; returns the exit status.
+    """Runs the daemon until SIGINT or SIGTERM, or with ``plan`` first prints a plan; returns the exit status.
 
     Example (shell):
         $ xreduced --listen 127.0.0.1:0 --virtual-devices 4
+        $ xreduced plan --devices 8 --num-packs 2 --bytes 1MiB
     """
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["plan"]:
+        return plan(argv[1:])
+    return serve(argv)
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Runs the daemon configured by ``argv`` (flags, then ``XREDUCE_*``) until SIGINT or SIGTERM.
+
+    Returns:
+        0 after a signal, 1 when the daemon could not start, 2 for bad settings.
+
+    Example (shell):
+        $ xreduced --listen unix:/run/xreduced.sock --backend numpy
+    """
     try:
         config = config_lib.check(config_lib.resolve(argv))
     except ValueError as e:
@@ -56,4 +82,80 @@ def main(argv: Sequence[str] | None = None) -> int:
     while not stop.wait(0.5):
         pass
     daemon.stop()
+    return 0
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size; the message repeats it.
+
+    Example:
+        >>> parse_bytes("1MiB"), parse_bytes("4KiB")
+        (1048576, 4096)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """The ``xreduced plan`` argument parser.
+
+    Example:
+        >>> plan_parser().parse_args(["--bytes", "4KiB"]).bytes
+        4096
+    """
+    p = argparse.ArgumentParser(prog="xreduced plan",
+                                description="Prints the reduction plan the daemon would run for a value, step by step.")
+    p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
+    p.add_argument("--num-packs", type=int, default=1, help="TF's num_packs (default 1; 0: no packing)")
+    p.add_argument("--bytes", type=parse_bytes, default=parse_bytes("1MiB"),
+                   help="bytes of each tensor per device (default 1MiB)")
+    p.add_argument("--tensors", type=int, default=1, help="tensors in the batch (default 1)")
+    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--algorithm", default="hierarchical_copy", choices=["hierarchical_copy", "reduction_to_one_device"])
+    return p
+
+
+def plan(argv: Sequence[str]) -> int:
+    """``xreduced plan``: prints the plan for ``--tensors`` tensors of ``--bytes`` on each of ``--devices``.
+
+    Returns:
+        0, or 2 for arguments that make no plan (argparse exits with 2 for malformed ones).
+
+    Example:
+        >>> plan(["--devices", "2", "--bytes", "8"])
+        hierarchical_copy over 2 devices [0, 1], 1 pack(s), 8 B per device
+        pack 0 (2 elements, 8 B): main devices 0 and 1
+          copy in@1: 1 -> 0 (8 B)
+          sum on 0: in@0 + in@1 -> total
+          copy total: 0 -> 1 (8 B)
+        total copied: 16 B
+        0
+    """
+    p = plan_parser()
+    args = p.parse_args(list(argv))
+    for name in ("devices", "tensors"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.num_packs < 0:
+        p.error(f"--num-packs must be >= 0; got {args.num_packs}")
+    try:
+        dtype = np.dtype(args.dtype)
+    except TypeError:
+        p.error(f"--dtype: unknown dtype {args.dtype!r}")
+    if args.bytes % dtype.itemsize:
+        print(f"xreduced plan: --bytes {args.bytes} is not a multiple of {dtype.name}'s "
+              f"{dtype.itemsize} bytes", file=sys.stderr)
+        return 2
+    elements = [args.bytes // dtype.itemsize] * args.tensors
+    devices = range(args.devices)
+    if args.algorithm == "hierarchical_copy":
+        steps = planner.hierarchical_copy(devices, elements, dtype.itemsize, args.num_packs)
+    else:
+        steps = planner.reduction_to_one_device(devices, devices, elements, dtype.itemsize)
+    print(planner.describe(steps))
     return 0

@@ -95,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
         prog="xreduced",
         description="The xreduce daemon: cross-device reduction (TF's hierarchical copy "
         "all-reduce) served over gRPC. Every flag has an XREDUCE_* environment twin.",
+        epilog="`xreduced plan --help`: print the plan for a reduction, step by step, instead of serving.",
     )
     for field, (_, help_text) in _FLAGS.items():
         p.add_argument(flag_name(field), dest=field, default=None, metavar=field.upper(),
