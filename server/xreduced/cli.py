@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 
 from xreduced import config as config_lib
-from xreduced import limits
+from xreduced import memory
 from xreduced.server import Daemon
 
 
@@ -31,10 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # Before the serving threads exist: with glibc's defaults each of them gets an arena that keeps what it
-    # freed, and the daemon's memory would not stay within --max-inflight-bytes (limits.py).
-    tuned = limits.tune_malloc()
+    # freed, and the daemon's memory would not stay within --max-inflight-bytes (memory.py).
+    tuned = memory.tune_malloc()
     logging.getLogger("xreduced").debug("event=malloc tuned=%s arenas=%d mmap_threshold=%d", tuned,
-                                        limits.MALLOC_ARENAS, limits.MALLOC_MMAP_THRESHOLD)
+                                        memory.MALLOC_ARENAS, memory.MALLOC_MMAP_THRESHOLD)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
