@@ -22,7 +22,7 @@ and counted; any other error is unexpected.
 While it runs, the daemon's RSS (``/proc/PID/status`` VmRSS) is sampled
 every 50 ms and its in-flight bytes (GetStatus) likewise; at the end its
 VmHWM (the kernel's peak) is read too. The stated bound is the daemon's
-(``xreduced.limits.memory_bound``, one largest message in transfer at once):
+(``xreduced.memory.memory_bound``, one largest message in transfer at once):
 
     idle RSS + max-inflight-bytes + (TRANSFER_FACTOR + OVERHEAD_FACTOR) x the largest message
 
@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc  # noqa: E402
 from xreduce.wire import codec  # noqa: E402
-from xreduced import limits  # noqa: E402
+from xreduced import memory  # noqa: E402
 
 NUM_DEVICES = 8
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
@@ -358,8 +358,8 @@ def main(argv=None) -> int:
         proc.terminate()
 
     peak = sampler.peak_rss_kib * 1024
-    bound = limits.memory_bound(idle, limit, report.largest_message)
-    factor = limits.TRANSFER_FACTOR + limits.OVERHEAD_FACTOR
+    bound = memory.memory_bound(idle, limit, report.largest_message)
+    factor = memory.TRANSFER_FACTOR + memory.OVERHEAD_FACTOR
     mib = lambda n: f"{n / MIB:.1f} MiB"  # noqa: E731
     if args.daemon_env:
         print("daemon environment: " + " ".join(args.daemon_env))

@@ -3,7 +3,7 @@ RESOURCE_EXHAUSTED and the figures in the message, never blocks, and the
 daemon goes on serving; GetStatus shows the limits and what they count.
 
 The in-flight budget counts each call's estimated working set
-(``xreduced.limits.working_set``: twice the request plus four times the result
+(``xreduced.admission.working_set``: twice the request plus four times the result
 bytes of the reply). The concurrent case is made deterministic with a
 multi-process collective: its first participant waits in the daemon holding
 its working set (and a collective slot) until the test cancels it.
@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import codec
-from xreduced.limits import MALLOC_ARENAS, MALLOC_MMAP_THRESHOLD, working_set
+from xreduced.admission import working_set
+from xreduced.memory import MALLOC_ARENAS, MALLOC_MMAP_THRESHOLD
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 REDUCE = "/xreduce.v1.CrossDeviceOps/Reduce"
@@ -228,7 +229,7 @@ def test_joining_an_open_collective_is_never_refused(stub):
 
 
 def test_the_daemon_tunes_malloc_before_it_serves():
-    """Without it glibc keeps one arena per serving thread, and freed arrays stay in them (limits.py)."""
+    """Without it glibc keeps one arena per serving thread, and freed arrays stay in them (memory.py)."""
     d = DaemonProcess(["--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "1",
                        "--log-level", "DEBUG"])
     try:

@@ -1,5 +1,5 @@
 """Concurrent clients against one daemon, every answer checked (a small ``bench/load.py``),
-and the daemon's memory within the stated bound (``xreduced.limits.memory_bound``).
+and the daemon's memory within the stated bound (``xreduced.memory.memory_bound``).
 
 4 clients, each on its own connection, make 30 mixed calls each (ListDevices,
 Reduce, BatchReduce, Broadcast; float32, float16 and int32 replicas of 4 B to
@@ -24,7 +24,7 @@ from daemon import DaemonProcess
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import codec
-from xreduced import limits
+from xreduced import admission, memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import load  # noqa: E402
@@ -61,7 +61,7 @@ def test_concurrent_mixed_calls_all_succeed_with_the_right_numbers(loaded):
 def test_the_daemon_memory_stays_bounded(loaded):
     proc, report, idle, sampler = loaded
     peak = load.rss_kib(proc.proc.pid, "VmHWM") * 1024
-    bound = limits.memory_bound(idle, LIMIT, report.largest_message)
+    bound = memory.memory_bound(idle, LIMIT, report.largest_message)
     assert peak <= bound, f"peak RSS {peak >> 20} MiB over {bound >> 20} MiB (idle {idle >> 20} MiB)"
     assert sampler.peak_inflight <= LIMIT
 
@@ -75,7 +75,7 @@ def test_concurrent_large_requests_stay_within_the_limit_plus_overhead():
     request = pb.ReduceRequest(reduce_op=pb.REDUCE_OP_SUM, value=pb.DistributedValue(components=[
         pb.Component(device=f"CPU:{d}", tensor=codec.encode(array)) for d in range(8)]))
     size = request.ByteSize()
-    working_set = limits.working_set(request, size)
+    working_set = admission.working_set(request, size)
     limit = working_set + size  # room for one call, not two
     proc = DaemonProcess(["--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "8",
                           "--max-inflight-bytes", str(limit)])
@@ -112,6 +112,6 @@ def test_concurrent_large_requests_stay_within_the_limit_plus_overhead():
     assert wrong == [], wrong[:3]
     assert codes["OK"] + codes["RESOURCE_EXHAUSTED"] == clients * calls and codes["OK"] >= 1, codes
     assert sampler.peak_inflight <= limit
-    bound = limits.memory_bound(idle, limit, size, transfers=clients)
+    bound = memory.memory_bound(idle, limit, size, transfers=clients)
     assert peak <= bound, (f"VmHWM {peak >> 20} MiB over {bound >> 20} MiB (idle {idle >> 20} MiB, "
                            f"limit {limit >> 20} MiB, request {size >> 20} MiB; {dict(codes)})")

@@ -29,7 +29,7 @@ from xreduce import distribution as dist
 from xreduce.distribute import HierarchicalCopyAllReduce, MirroredStrategy, PerReplica, ReductionToOneDevice
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
-from xreduced.security import TokenInterceptor
+from xreduced.security import TokenCheck
 
 BIN = os.path.dirname(sys.executable)
 GRPCURL = shutil.which("grpcurl", path=BIN + os.pathsep + os.environ.get("PATH", ""))
@@ -391,7 +391,7 @@ def test_token_file_from_the_environment_twin(pki):
 
 
 def test_interceptor_compares_the_token():
-    check = TokenInterceptor(TOKEN.encode()).allowed
+    check = TokenCheck(TOKEN.encode()).allowed
     assert check((("authorization", f"Bearer {TOKEN}"),))
     assert check((("authorization", f"bearer {TOKEN}".encode()),))  # the scheme is case-insensitive
     for bad in ("", "Bearer", "Bearer ", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", TOKEN, f"Basic {TOKEN}"):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from xreduced import config as config_lib
-from xreduced import limits, planner
+from xreduced import memory, planner
 from xreduced.server import Daemon
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
@@ -57,10 +57,10 @@ def serve(argv: Sequence[str]) -> int:
         stream=sys.stderr,
     )
     # Before the serving threads exist: with glibc's defaults each of them gets an arena that keeps what it
-    # freed, and the daemon's memory would not stay within --max-inflight-bytes (limits.py).
-    tuned = limits.tune_malloc()
+    # freed, and the daemon's memory would not stay within --max-inflight-bytes (memory.py).
+    tuned = memory.tune_malloc()
     logging.getLogger("xreduced").debug("event=malloc tuned=%s arenas=%d mmap_threshold=%d", tuned,
-                                        limits.MALLOC_ARENAS, limits.MALLOC_MMAP_THRESHOLD)
+                                        memory.MALLOC_ARENAS, memory.MALLOC_MMAP_THRESHOLD)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

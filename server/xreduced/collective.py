@@ -18,7 +18,7 @@ import numpy as np
 
 from xreduced.engine import Engine, Result, Value
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline, write
+from xreduced.executor import Deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ def _share(engine: Engine, result: Result, destinations: tuple[int, ...],
     for d in destinations:
         array = where[d]
         if out is not None and d in out and out[d] is not array:
-            write(engine.backend, out[d], array)  # another process's array got the reduction's write
+            engine.backend.write(out[d], array)  # another process's array got the reduction's write
             array = out[d]
         arrays.append(array)
     return Result(destinations, tuple(arrays), result.route)

@@ -17,7 +17,7 @@ from xreduce.wire.contract import mean_dtype
 from xreduced import planner
 from xreduced.backends import Backend
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline, check_out, execute, write
+from xreduced.executor import Deadline, check_out, execute
 
 SUM = "SUM"
 MEAN = "MEAN"
@@ -74,8 +74,27 @@ def check_value(value: Value, label=str) -> None:
             )
 
 
-def check_destinations(destinations: Sequence[int], field: str, label=str) -> None:
-    """Rejects a destination named twice."""
+def check_destinations(destinations: Sequence[int], field: str, label=str, *, required: str | None = None) -> None:
+    """Rejects a destination named twice, and, when ``required`` names the call
+    (e.g. ``"broadcast"``), no destination at all.
+
+    ``label(d)`` names device ``d`` in messages.
+
+    Raises:
+        InvalidArgument: naming the field and the device.
+
+    Example:
+        >>> check_destinations([1, 2, 1], "destinations")
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: destinations[2]: 1 is listed twice in destinations
+        >>> check_destinations([], "destinations", required="broadcast")
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: destinations: broadcast needs at least one destination; got none
+    """
+    if required and not destinations:
+        raise InvalidArgument(f"{field}: {required} needs at least one destination; got none")
     seen = set()
     for i, d in enumerate(destinations):
         if d in seen:
@@ -290,7 +309,7 @@ class Engine:
                     raise InvalidArgument(
                         f"out[{i}]: {self.label(d)} is not a destination of pairs[{i}]; its destinations are "
                         f"{[self.label(x) for x in dests]}")
-                check_out(array, dtype, first.shape, f"out[{i}][{self.label(d)}]")
+                check_out(array, dtype, first.shape, f"out[{i}][{self.label(d)}]", self.backend)
         return list(out)
 
     def validate(
@@ -307,7 +326,7 @@ class Engine:
         if op not in (SUM, MEAN):
             raise InvalidArgument(f"reduce_op must be SUM or MEAN; got {op!r}")
         if not 0 <= num_packs <= MAX_NUM_PACKS:
-            raise InvalidArgument(f"num_packs must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
+            raise InvalidArgument(f"num_packs: must be in [0, {MAX_NUM_PACKS}]; got num_packs={num_packs}")
         fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(pairs))]
         resolved = []
         for (value, dests), field in zip(pairs, fields):
@@ -333,14 +352,12 @@ class Engine:
             >>> r.arrays[1] is mine, mine
             (True, array([5, 6], dtype=int8))
         """
-        if not destinations:
-            raise InvalidArgument("destinations: broadcast needs at least one destination; got none")
-        check_destinations(destinations, "destinations", self.label)
+        check_destinations(destinations, "destinations", self.label, required="broadcast")
         for d, target in (out or {}).items():
             if d not in destinations:
                 raise InvalidArgument(f"out: {self.label(d)} is not a destination; the destinations are "
                                       f"{[self.label(x) for x in destinations]}")
-            check_out(target, array.dtype, array.shape, f"out[{self.label(d)}]")
+            check_out(target, array.dtype, array.shape, f"out[{self.label(d)}]", self.backend)
         plan = planner.broadcast(source, destinations, array.size, array.dtype.itemsize)
         results = execute(plan, self.backend, [[array]], deadline=deadline, out=_per_tensor([out]))
         return Result(tuple(destinations), tuple(results[d][0] for d in destinations), planner.IDENTITY)
@@ -350,7 +367,7 @@ class Engine:
         (device,) = value.devices
         if out is None or device not in out:
             return Result(value.devices, value.arrays, planner.IDENTITY)
-        write(self.backend, out[device], value.arrays[0])
+        self.backend.write(out[device], value.arrays[0])
         return Result(value.devices, (out[device],), planner.IDENTITY)
 
     def _all_reduce(self, values: list[Value], outs: list, mean: bool, num_packs: int,

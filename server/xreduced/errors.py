@@ -51,3 +51,9 @@ class Internal(ServiceError):
     """A daemon bug; its log has the traceback."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class Unauthenticated(ServiceError):
+    """A caller without the credentials the daemon asks for."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED

@@ -6,7 +6,7 @@ Two ways to run a plan, with bit-identical numbers:
   device, each pack gathered into one buffer per device, the plan's copies and
   sums run as the backend's operations, and the results are unpacked and
   downloaded. Algorithms never touch numpy or cupy arithmetic here.
-* **fused** (backends whose buffers are host memory, ``host_memory = True``):
+* **fused** (backends whose buffers are host memory, :class:`~xreduced.backends.HostMemory`):
   copies between host "devices" would only copy memory to itself, so each
   pack's steps are evaluated chunk by chunk (:data:`CHUNK_BYTES`) on views of
   the inputs: a copy is an alias, a sum writes a small scratch buffer, and the
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import Backend
+from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
 from xreduced.errors import DeadlineExceeded, InvalidArgument
 from xreduced.planner import Copy, Plan, Sum
@@ -75,11 +75,12 @@ class Deadline:
             raise DeadlineExceeded(f"timed out after {self.seconds:g} s while {what}")
 
 
-def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
+def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str,
+              backend: Backend | None = None) -> Any:
     """Checks one caller-provided result array and returns it.
 
     Raises:
-        InvalidArgument: not a writable numpy array (or a backend's device array) of exactly
+        InvalidArgument: not a writable numpy array (or one of ``backend``'s device arrays) of exactly
             ``dtype`` and ``shape``.
 
     Example:
@@ -89,7 +90,7 @@ def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str) -
         xreduced.errors.InvalidArgument: out[0]: must be a writable float32[3] array; got float16[3]
     """
     want = f"{dtype.name}{list(shape)}"
-    device = type(array).__module__.split(".")[0] in ("cupy", "xreduced")  # a view of a caller's GPU memory
+    device = backend is not None and backend.is_device_array(array)  # e.g. a view of a caller's GPU memory
     if not isinstance(array, np.ndarray) and not device:
         raise InvalidArgument(f"{field}: must be a writable {want} array; got {type(array).__name__}")
     got = f"{np.dtype(array.dtype).name}{list(array.shape)}"
@@ -98,21 +99,6 @@ def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str) -
     if not device and not array.flags.writeable:
         raise InvalidArgument(f"{field}: must be a writable {want} array; got a read-only {got}")
     return array
-
-
-def write(backend: Backend, dst: Any, array: Any) -> None:
-    """Copies ``array`` into ``dst`` through the backend (device memory too), else with numpy.
-
-    Example:
-        >>> dst = np.zeros(2)
-        >>> write(object(), dst, np.ones(2)); dst
-        array([1., 1.])
-    """
-    backend_write = getattr(backend, "write", None)
-    if backend_write is not None:
-        backend_write(dst, array)
-    else:
-        np.copyto(dst, array)
 
 
 def execute(
@@ -125,8 +111,8 @@ def execute(
 ) -> dict[int, list[np.ndarray]]:
     """Runs ``plan`` and returns, per destination device, one array per tensor.
 
-    Host-memory backends run it fused (:func:`execute_fused`), others the
-    generic way (:func:`execute_generic`); the numbers are the same.
+    Host-memory backends (:class:`~xreduced.backends.HostMemory`) run it fused
+    (:func:`execute_fused`), others the generic way (:func:`execute_generic`); the numbers are the same.
 
     Args:
         plan: from the planner.
@@ -155,8 +141,7 @@ def execute(
         array([2., 2.], dtype=float32)
     """
     _check_packs(plan, inputs)
-    # The class's flag, not the instance's: a wrapper that forwards attributes keeps the generic path.
-    if getattr(type(backend), "host_memory", False):
+    if isinstance(backend, HostMemory):
         return execute_fused(plan, inputs, mean, deadline, out)
     return execute_generic(plan, backend, inputs, mean, deadline, out)
 
@@ -169,8 +154,8 @@ def _check_packs(plan: Plan, inputs: Sequence[Sequence[np.ndarray]]) -> None:
             raise ValueError(f"pack {pack.index} mixes dtypes ({found}); packed tensors must share one dtype")
 
 
-def _targets(plan: Plan, templates: Sequence[np.ndarray], mean: bool, out: Out | None
-             ) -> dict[int, list[np.ndarray]]:
+def _targets(plan: Plan, templates: Sequence[np.ndarray], mean: bool, out: Out | None,
+             backend: Backend | None = None) -> dict[int, list[np.ndarray]]:
     """The array each result goes into: the caller's, checked, else a fresh one."""
     dtypes = [mean_dtype(a.dtype) if mean else a.dtype for a in templates]
     given = out or {}
@@ -185,7 +170,7 @@ def _targets(plan: Plan, templates: Sequence[np.ndarray], mean: bool, out: Out |
             raise InvalidArgument(f"out[{d}]: one array per tensor; got {len(mine)} for {len(templates)} tensors")
         mine += [None] * (len(templates) - len(mine))
         targets[d] = [
-            np.empty(a.shape, dt) if o is None else check_out(o, dt, a.shape, f"out[{d}][{t}]")
+            np.empty(a.shape, dt) if o is None else check_out(o, dt, a.shape, f"out[{d}][{t}]", backend)
             for t, (a, dt, o) in enumerate(zip(templates, dtypes, mine))
         ]
     return targets
@@ -213,7 +198,7 @@ def execute_generic(
     """
     deadline = deadline or Deadline(None)
     templates = list(inputs[0])
-    targets = None if out is None else _targets(plan, templates, mean, out)
+    targets = None if out is None else _targets(plan, templates, mean, out, backend)
     flat = {
         (t, d): backend.upload(d, arr)
         for d, component in zip(plan.devices, inputs)
@@ -274,12 +259,8 @@ def _unpack(plan, backend, results, device, templates, mean, targets) -> list[np
     backend.synchronize()
     if targets is None:
         return [np.asarray(backend.download(buf)) for buf in bufs]
-    write = getattr(backend, "write", None)
     for dst, buf in zip(targets, bufs):
-        if write is not None:
-            write(dst, buf)
-        else:  # a backend written before Backend.write
-            np.copyto(dst, backend.download(buf))
+        backend.write(dst, buf)
     backend.synchronize()
     return targets
 

@@ -23,22 +23,24 @@ name (no ``/`` inside): run it as the user of the training processes.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import errno
+import functools
+import math
 import mmap
 import os
 import re
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
 from xreduce.wire.contract import SESSION_METADATA
 
+from xreduced.backends import DeviceRegion
 from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
 
 SHM_DIR = "/dev/shm"
@@ -57,15 +59,16 @@ class SessionsExhausted(ServiceError):
 
 @dataclasses.dataclass(eq=False)
 class Region:
-    """One registered region: its bytes as a flat uint8 array (numpy over a
-    mapping, or cupy over an opened IPC handle)."""
+    """One registered region; ``view(offset, dtype, shape)`` gives its bytes from
+    ``offset`` as an array (numpy over a mapping, or the backend's device array
+    over an opened IPC handle)."""
 
     name: str
     kind: str
     key: str
     offset: int
     byte_size: int
-    data: Any
+    view: Callable[[int, np.dtype, tuple[int, ...]], Any]
     closer: Any = None
     check: Any = None
     in_use: int = 0
@@ -175,23 +178,22 @@ def probe_shm(key: str, nonce: bytes) -> str | None:
         close()
 
 
-_CALL: contextvars.ContextVar[_CallScope | None] = contextvars.ContextVar("xreduce_call_regions", default=None)
+def _host_view(flat: np.ndarray, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Bytes of a mapping from ``offset`` as a numpy array of ``dtype`` and ``shape``.
 
-
-class _CallScope:
-    """The regions one call pinned; released when the call ends."""
-
-    def __init__(self, table: RegionTable, session_id: str | None):
-        self.table = table
-        self.session_id = session_id
-        self.pinned: list[Region] = []
+    Example:
+        >>> _host_view(np.arange(8, dtype=np.uint8), 4, np.dtype(np.uint16), (2,)).tolist()
+        [1284, 1798]
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    return flat[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
 class RegionTable:
     """Every open session and its regions.
 
-    ``ipc_opener`` (the CuPy backend's ``open_ipc``) opens CUDA IPC handles; without it
-    such registrations are refused.
+    ``ipc_opener`` (a backend's :meth:`~xreduced.backends.Backend.open_ipc`) opens CUDA IPC
+    handles; without it such registrations are refused.
 
     Example:
         >>> table = RegionTable()
@@ -201,7 +203,8 @@ class RegionTable:
         >>> table.close_session(s.id)
     """
 
-    def __init__(self, ipc_opener=None, max_regions_per_session: int = MAX_REGIONS_PER_SESSION,
+    def __init__(self, ipc_opener: Callable[..., DeviceRegion] | None = None,
+                 max_regions_per_session: int = MAX_REGIONS_PER_SESSION,
                  max_sessions: int | None = None):
         self._lock = threading.Lock()
         self.max_sessions = max_sessions
@@ -310,7 +313,8 @@ class RegionTable:
                                       "a session may register")
         check = None
         if kind == "shm":
-            data, closer, check = open_shm(key, offset, byte_size)
+            flat, closer, check = open_shm(key, offset, byte_size)
+            view = functools.partial(_host_view, flat)
         elif kind == "cuda_ipc":
             if self._ipc_opener is None:
                 raise InvalidArgument("cuda_ipc: this daemon cannot open CUDA IPC handles (its backend is not "
@@ -320,11 +324,11 @@ class RegionTable:
                                           bytes(cuda_ipc.event_handle))
             except ValueError as e:
                 raise InvalidArgument(str(e)) from None
-            data, closer = opened.array, opened.close
+            view, closer = opened.view, opened.close
             key = f"cuda:{cuda_ipc.device_id}"
         else:
             raise InvalidArgument(f"source: set shm_key or cuda_ipc; got {kind or 'neither'}")
-        region = Region(name, kind, key, offset, byte_size, data, closer, check)
+        region = Region(name, kind, key, offset, byte_size, view, closer, check)
         with self._lock:
             if session.closed.is_set() or name in session.regions:
                 region.close()
@@ -366,37 +370,23 @@ class RegionTable:
         if not busy:
             region.close()
 
-    @contextlib.contextmanager
-    def call(self, session_id: str | None) -> Iterator[None]:
-        """The scope of one call: regions it resolves stay mapped until it ends."""
-        scope = _CallScope(self, session_id)
-        token = _CALL.set(scope)
-        try:
-            yield
-        finally:
-            _CALL.reset(token)
-            closing = []
-            with self._lock:
-                for region in scope.pinned:
-                    region.in_use -= 1
-                    if region.in_use == 0 and region.unregistered:
-                        closing.append(region)
-            for region in closing:
-                region.close()
+    def for_call(self, session_id: str | None) -> CallRegions:
+        """The regions a call of session ``session_id`` may name; :meth:`CallRegions.release` them when it ends.
 
-    def resolve(self, name: str, offset: int, byte_size: int, field: str) -> Any:
-        """The bytes ``[offset, offset + byte_size)`` of the calling session's
-        region ``name``, pinned for the rest of the call.
-
-        Raises:
-            FailedPrecondition: no session; PermissionDenied: another session's
-            region or a closed session; NotFound: no such region;
-            InvalidArgument: a range outside the region.
+        Example:
+            >>> table = RegionTable()
+            >>> regions = table.for_call(None)
+            >>> regions.view("x", 0, 4, np.dtype(np.float32), (1,), "tensor.region")
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.FailedPrecondition: tensor.region: regions belong to a session; send the
+            'x-xreduce-session' metadata that OpenSession returned; got none
+            >>> regions.release()
         """
-        scope = _CALL.get()
-        if scope is None:
-            raise FailedPrecondition(f"{field}: regions can only be named inside a call")
-        session = self._session(scope.session_id, field)
+        return CallRegions(self, session_id)
+
+    def _pin(self, session_id: str | None, name: str, offset: int, byte_size: int, field: str) -> Region:
+        session = self._session(session_id, field)
         with self._lock:
             region = session.regions.get(name)
             if region is None:
@@ -409,10 +399,50 @@ class RegionTable:
                 raise InvalidArgument(f"{field}: offset {offset} + byte_size {byte_size} is outside region {name!r} "
                                       f"of {region.byte_size} bytes")
             region.in_use += 1
-            scope.pinned.append(region)
+        return region
+
+    def _unpin(self, regions: list[Region]) -> None:
+        closing = []
+        with self._lock:
+            for region in regions:
+                region.in_use -= 1
+                if region.in_use == 0 and region.unregistered:
+                    closing.append(region)
+        for region in closing:
+            region.close()
+
+
+class CallRegions:
+    """The regions one call may name: its session's. Each one it names stays
+    mapped until :meth:`release`, even if it is unregistered meanwhile."""
+
+    def __init__(self, table: RegionTable, session_id: str | None):
+        self.session_id = session_id
+        self._table = table
+        self._pinned: list[Region] = []
+
+    def view(self, name: str, offset: int, byte_size: int, dtype: np.dtype, shape: tuple[int, ...],
+             field: str) -> Any:
+        """The bytes ``[offset, offset + byte_size)`` of the session's region ``name`` as an
+        array of ``dtype`` and ``shape`` (numpy, or the backend's device array), pinned until
+        :meth:`release`.
+
+        Raises:
+            FailedPrecondition: no session; PermissionDenied: another session's
+            region or a closed session; NotFound: no such region;
+            InvalidArgument: a range outside the region.
+            ValueError: numpy cannot make an array of ``shape``.
+        """
+        region = self._table._pin(self.session_id, name, offset, byte_size, field)
+        self._pinned.append(region)
         if region.check is not None:
             region.check()
-        return region.data[offset:offset + byte_size]
+        return region.view(offset, dtype, shape)
+
+    def release(self) -> None:
+        """The call ended: the regions it named may be unmapped."""
+        pinned, self._pinned = self._pinned, []
+        self._table._unpin(pinned)
 
 
 def session_of(context) -> str | None:

@@ -1,7 +1,7 @@
 """Who may talk to the daemon: TLS, mutual TLS, a bearer token, socket permissions.
 
-The token is checked in a server interceptor, compared in constant time; a
-call without it gets UNAUTHENTICATED. Health and reflection stay open unless
+The token is checked first thing in the call pipeline, compared in constant
+time; a call without it gets UNAUTHENTICATED. Health and reflection stay open unless
 ``--auth-health true`` (so that probes and grpcurl ``list`` work without a
 secret); everything else needs the token once one is configured.
 """
@@ -109,17 +109,20 @@ def protect_socket(path: str, config: Config) -> None:
     os.chmod(path, 0o660)
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED).
+class TokenCheck:
+    """Refuses calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED); the call
+    pipeline asks it first (:class:`~xreduced.pipeline.Gate`).
 
     The scheme is case-insensitive (RFC 7235), the token is compared in
     constant time.
 
     Example:
-        >>> TokenInterceptor(b"s3cret").allowed((("authorization", "Bearer s3cret"),))
+        >>> TokenCheck(b"s3cret").allowed((("authorization", "Bearer s3cret"),))
         True
-        >>> TokenInterceptor(b"s3cret").allowed((("authorization", "Bearer guess"),))
+        >>> TokenCheck(b"s3cret").allowed((("authorization", "Bearer guess"),))
         False
+        >>> TokenCheck(b"s3cret").refusal("/x.Y/Z", ())
+        '/x.Y/Z needs a valid bearer token (authorization: Bearer <token>)'
     """
 
     def __init__(self, token: bytes, protect_health: bool = False):
@@ -133,36 +136,19 @@ class TokenInterceptor(grpc.ServerInterceptor):
         scheme, _, token = given.strip().partition(b" ")
         return hmac.compare_digest(token.strip(), self._expected) and scheme.lower() == b"bearer"
 
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        handler = continuation(handler_call_details)
-        if handler is None or self.allowed(handler_call_details.invocation_metadata):
-            return handler
-        if not self._protect_health and method.startswith(OPEN_SERVICES):
-            return handler
-        return _deny(handler, f"{method} needs a valid bearer token (authorization: Bearer <token>)")
+    def refusal(self, method: str, metadata) -> str | None:
+        """Why a call of ``method`` is refused, or None: it carries the token, or it is a health or
+        reflection call and ``--auth-health`` is false."""
+        if self.allowed(metadata) or (not self._protect_health and method.startswith(OPEN_SERVICES)):
+            return None
+        return f"{method} needs a valid bearer token (authorization: Bearer <token>)"
 
 
-def _deny(handler, message: str):
-    def abort(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+def token_check(config: Config) -> TokenCheck | None:
+    """The token check ``--auth-token-file`` asks for, or None without one.
 
-    def abort_stream(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises
-
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    behaviour = abort_stream if handler.response_streaming else abort
-    return make(behaviour, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-
-def interceptors(config: Config) -> list[grpc.ServerInterceptor]:
-    """The interceptors security asks for (none without a token file)."""
+    Raises:
+        RuntimeError: the file cannot be read or holds no token.
+    """
     token = load_token(config)
-    return [TokenInterceptor(token, config.auth_health)] if token is not None else []
+    return TokenCheck(token, config.auth_health) if token is not None else None

@@ -17,10 +17,12 @@ from grpc_reflection.v1alpha import reflection
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire.contract import SERVICE_NAME
 
-from xreduced import observability, security
+from xreduced import security
 from xreduced.backends import Backend
 from xreduced.config import Config
 from xreduced.engine import Engine
+from xreduced.metrics import MetricsServer
+from xreduced.pipeline import CallPipeline
 from xreduced.service import CrossDeviceOpsService
 
 log = logging.getLogger("xreduced")
@@ -60,7 +62,7 @@ class Daemon:
         self.config = config
         self.backend = backend or make_backend(config)
         self.address: str | None = None
-        self.metrics: observability.MetricsServer | None = None
+        self.metrics: MetricsServer | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
         options = [
@@ -68,15 +70,16 @@ class Daemon:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.stats = observability.Stats()
+        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
+                                             config=config)
+        self.stats = self.service.stats
+        pipeline = CallPipeline(self.stats, self.service.admission, self.service.regions, self.service.refused,
+                                gate=security.token_check(config))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
-            # The call log comes first, so that calls refused for their credentials are counted too.
-            interceptors=[observability.CallInterceptor(self.stats), *security.interceptors(config)],
+            interceptors=[pipeline],
             options=options,
         )
-        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
-                                             config=config, stats=self.stats)
         pb_grpc.add_CrossDeviceOpsServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -109,7 +112,7 @@ class Daemon:
             self.address = f"{host}:{port}"
         if self.config.metrics_listen:
             try:
-                self.metrics = observability.MetricsServer(self.config.metrics_listen, self.stats.registry)
+                self.metrics = MetricsServer(self.config.metrics_listen, self.stats.registry)
             except RuntimeError:
                 self.server.stop(None)
                 raise

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import math
 import threading
 import time
@@ -45,16 +44,13 @@ import numpy as np
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
 from xreduce.wire.contract import method_path
-from xreduce.wire.framing import CHUNK_OVERHEAD_BYTES, REPLY_CHUNK_BYTES, chunk_message_size
+from xreduce.wire.framing import CHUNK_OVERHEAD_BYTES, REPLY_CHUNK_BYTES
 
-from xreduced import observability, planner
-from xreduced import service as svc
+from xreduced import decode, planner
+from xreduced.admission import InflightBytes, LimitExceeded
 from xreduced.engine import Value, result_dtype
 from xreduced.errors import DeadlineExceeded, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
-from xreduced.limits import LimitExceeded
-
-log = logging.getLogger("xreduced.calls")
 
 METHOD = method_path("ReduceStream")
 
@@ -172,11 +168,9 @@ class _Failed:
 class _Receiver:
     """Reads the request stream in its own thread, reserving each chunk's bytes as it arrives."""
 
-    def __init__(self, service, request_iterator):
-        self.inflight = service.stats.inflight
-        self.stats = service.stats
+    def __init__(self, inflight: InflightBytes, request_iterator):
+        self.inflight = inflight
         self.inbox = _Inbox(INBOX_MESSAGES)
-        self.bytes_in = 0
         self._held = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -191,12 +185,8 @@ class _Receiver:
                 if message.WhichOneof("kind") == "chunk":
                     c = message.chunk
                     message = _Chunk(c.pair, c.component, c.offset, c.data)
-                    n = len(message.data)
-                    self.bytes_in += chunk_message_size(c.pair, c.component, c.offset, n)
-                    self._hold(n, f"chunk {chunks} (pairs[{c.pair}].value.components[{c.component}])")
+                    self._hold(len(message.data), f"chunk {chunks} (pairs[{c.pair}].value.components[{c.component}])")
                     chunks += 1
-                else:
-                    self.bytes_in += message.ByteSize()
                 if not self.inbox.put(message):
                     return
             self.inbox.put(_END)
@@ -222,7 +212,6 @@ class _Receiver:
                     return
                 except LimitExceeded as e:
                     if last:
-                        self.stats.rejected(e.limit)
                         now = self.inflight.value
                         raise LimitExceeded(
                             f"{what}: its {n} bytes would bring in-flight bytes to {now + n}, over "
@@ -247,12 +236,10 @@ class _Receiver:
 
 
 def reduce_stream(service, request_iterator, context) -> Iterator[pb.ReduceStreamResponse]:
-    """Serves one ReduceStream call for ``service`` (a ``CrossDeviceOpsService``).
+    """Serves one ReduceStream call for ``service`` (a ``CrossDeviceOpsService``): its replies.
 
-    Every failure leaves as a status, as the unary methods' do: a service
-    error with its code, a codec error as INVALID_ARGUMENT, anything else as
-    INTERNAL (logged). One ``event=call`` line is logged per stream and the
-    call is counted in the daemon's stats.
+    The call pipeline answers its failures and counts and logs it, as it does
+    every call's.
 
     Example:
         >>> from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -272,38 +259,11 @@ def reduce_stream(service, request_iterator, context) -> Iterator[pb.ReduceStrea
         >>> np.frombuffer(replies[1].chunk.data, "<f8")
         array([0.5, 1.5, 2.5, 3.5])
     """
-    call_id = next(observability._ids)
-    start = time.monotonic()
-    receiver = _Receiver(service, request_iterator)
-    code, bytes_out = "OK", 0
+    receiver = _Receiver(service.admission.inflight, request_iterator)
     try:
-        stream = _Stream(service, context, receiver)
-        for reply, size in stream.replies():
-            bytes_out += size
-            yield reply
-    except GeneratorExit:  # the client went away while a reply was being sent
-        code = "CANCELLED"
-        raise
-    except ServiceError as e:
-        code = e.code.name
-        context.abort(e.code, svc._short(str(e)))
-    except codec.CodecError as e:
-        code = "INVALID_ARGUMENT"
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, svc._short(str(e)))
-    except MemoryError:
-        code = "RESOURCE_EXHAUSTED"
-        log.exception("event=out_of_memory method=ReduceStream")
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the daemon ran out of memory for this stream")
-    except Exception:  # a bug: keep serving, say so
-        code = "INTERNAL"
-        log.exception("event=internal_error method=ReduceStream")
-        context.abort(grpc.StatusCode.INTERNAL, "internal error in ReduceStream; see the daemon's log")
+        yield from _Stream(service, context, receiver).replies()
     finally:
         receiver.close()
-        seconds = time.monotonic() - start
-        service.stats.record(METHOD, code, receiver.bytes_in, bytes_out, seconds)
-        log.info("event=call id=%d method=%s bytes_in=%d bytes_out=%d ms=%.3f status=%s",
-                 call_id, METHOD, receiver.bytes_in, bytes_out, seconds * 1e3, code)
 
 
 class _Stream:
@@ -316,20 +276,18 @@ class _Stream:
         self.receiver = receiver
         self.chunks = 0
         self.reduce_seconds = 0.0
-        self.deadline = Deadline(svc.call_deadline(context))
+        self.deadline = Deadline(decode.call_deadline(context))
         """The call's deadline until the header's ``timeout`` joins it."""
 
-    def replies(self) -> Iterator[tuple[pb.ReduceStreamResponse, int]]:
-        """The reply messages, each with its serialized size."""
+    def replies(self) -> Iterator[pb.ReduceStreamResponse]:
+        """The reply messages."""
         header = self._next("the header")
         if header is _END:
             raise InvalidArgument("header: the stream ended before its header (a BatchReduceRequest)")
         if isinstance(header, _Chunk) or header.WhichOneof("kind") != "header":
             got = "chunk" if isinstance(header, _Chunk) else "a message with neither header nor chunk"
             raise InvalidArgument(f"header: the first message must be a header (a BatchReduceRequest); got {got}")
-        reply = self._accept(header.header)
-        message = pb.ReduceStreamResponse(header=reply)
-        yield message, message.ByteSize()
+        yield pb.ReduceStreamResponse(header=self._accept(header.header))
         while True:
             message = self._next(f"chunk {self.chunks}")
             if message is _END:
@@ -366,17 +324,18 @@ class _Stream:
     def _accept(self, header: pb.BatchReduceRequest) -> pb.BatchReduceResponse:
         """Validates the header as BatchReduce would, and builds the reply's header."""
         service = self.service
-        if service._group(header) is not None:
+        if decode.group(header) is not None:
             raise InvalidArgument(
                 f"collective: ReduceStream serves one process; got a collective of {header.collective.num_processes} "
                 "processes (multi-process callers use BatchReduce or shared memory)")
         if header.HasField("output"):
             raise InvalidArgument(f"output: ReduceStream answers in chunks; got an output region "
                                   f"{header.output.name!r} (use BatchReduce for that)")
-        self.op = service._op(header.reduce_op)
-        options = service._options(header, self.context, None)
-        self.deadline = options["deadline"]
-        self.algorithm, self.reduce_to = options["algorithm"], options["reduce_to"]
+        self.op = decode.op(header.reduce_op)
+        deadline = decode.deadline(header, decode.call_deadline(self.context), None)
+        options = decode.options(header, service.devices, deadline)
+        self.deadline = options.deadline
+        self.algorithm, self.reduce_to = options.algorithm, options.reduce_to
         dest_fields = [f"pairs[{i}].destinations" for i in range(len(header.pairs))]
         shaped, inputs = [], []
         for i, pair in enumerate(header.pairs):
@@ -384,17 +343,17 @@ class _Stream:
             devices, views, ins = [], [], []
             for c, comp in enumerate(pair.value.components):
                 devices.append(service.devices.resolve(comp.device, f"{field}.components[{c}].device"))
-                dtype, shape = _streamed(comp.tensor, f"{field}.components[{c}].tensor")
+                dtype, shape = decode.streamed(comp.tensor, f"{field}.components[{c}].tensor")
                 try:
                     views.append(np.broadcast_to(np.zeros((), dtype), shape))  # the shape, without its memory
                 except ValueError as e:  # e.g. a zero-size shape whose other dimensions overflow numpy's size type
                     raise InvalidArgument(f"{field}.components[{c}].tensor.shape: numpy cannot make an array of "
                                           f"shape {list(shape)} ({e})") from None
                 ins.append(_Input(f"{field}.components[{c}]", dtype, math.prod(shape) * dtype.itemsize))
-            shaped.append((Value(tuple(devices), tuple(views), field), service._devices(pair.destinations,
-                                                                                         dest_fields[i])))
+            shaped.append((Value(tuple(devices), tuple(views), field),
+                           decode.devices(pair.destinations, dest_fields[i], service.devices)))
             inputs.append(ins)
-        routes = self.engine.routes(self.op, shaped, algorithm=self.algorithm, num_packs=options["num_packs"],
+        routes = self.engine.routes(self.op, shaped, algorithm=self.algorithm, num_packs=options.num_packs,
                                     dest_fields=dest_fields)
         folds = self.engine.fold_devices(shaped, algorithm=self.algorithm)
         self.pairs = []
@@ -405,7 +364,7 @@ class _Stream:
             out_dtype = result_dtype(self.op, ins[0].dtype, route)
             self.pairs.append(_Pair(ins, order, fold, dests or own, out_dtype))
             result_devices = fold if route == planner.HIERARCHICAL_COPY else (dests or own)
-            out = reply.results.add(route=svc._ROUTES[route])
+            out = reply.results.add(route=decode.ROUTES[route])
             for k, d in enumerate(result_devices):
                 comp = out.result.components.add(device=service.devices.name(d).canonical)
                 comp.tensor.CopyFrom(pb.Tensor(dtype=codec.dtype_enum(out_dtype), shape=value.arrays[0].shape,
@@ -441,7 +400,7 @@ class _Stream:
             t.received += n
         return chunk.pair
 
-    def _reduce_ready(self, p: int) -> Iterator[tuple[pb.ReduceStreamResponse, int]]:
+    def _reduce_ready(self, p: int) -> Iterator[pb.ReduceStreamResponse]:
         """Reduces and answers the range every component of pair ``p`` has sent."""
         pair = self.pairs[p]
         ready = min(t.received // t.dtype.itemsize for t in pair.inputs)
@@ -458,7 +417,7 @@ class _Stream:
                                              algorithm=self.algorithm, reduce_to=self.reduce_to,
                                              deadline=self.deadline)
         self.reduce_seconds += time.perf_counter() - started
-        out = np.asarray(result.arrays[0])
+        out = self.engine.backend.to_host(result.arrays[0])
         data = memoryview(out.astype(out.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
         self.receiver.release(sum(a.nbytes for a in arrays))
         pair.done = hi
@@ -467,29 +426,5 @@ class _Stream:
         most = min(REPLY_CHUNK_BYTES, self.service.config.max_message_bytes - CHUNK_OVERHEAD_BYTES)
         step = max(1, most // itemsize) * itemsize
         for start in range(0, len(data), step):
-            piece = bytes(data[start:start + step])
-            offset = base + start
-            yield (pb.ReduceStreamResponse(chunk=pb.TensorChunk(pair=p, offset=offset, data=piece)),
-                   chunk_message_size(p, 0, offset, len(piece)))
-
-
-def _streamed(tensor: pb.Tensor, field: str) -> tuple[np.dtype, tuple[int, ...]]:
-    """A header tensor's dtype and shape, checked as the codec checks a tensor's."""
-    carried = [name for name in ("raw_data", "float_values", "int_values", "uint_values") if len(getattr(tensor, name))]
-    if tensor.HasField("region"):
-        carried.append("region")
-    if carried:
-        raise InvalidArgument(f"{field}: a ReduceStream tensor carries no data (its bytes follow in chunks); got "
-                              f"{', '.join(carried)}")
-    if not tensor.streamed:
-        raise InvalidArgument(f"{field}.streamed: must be true in a ReduceStream header (the data follows in "
-                              "chunks); got false")
-    dtype = codec.numpy_dtype(tensor.dtype, f"{field}.dtype")
-    shape = tuple(tensor.shape)
-    if len(shape) > codec.MAX_DIMS:
-        raise InvalidArgument(f"{field}.shape: at most {codec.MAX_DIMS} dimensions; got {len(shape)}")
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{field}.shape: dimensions must be >= 0; got {list(shape)}")
-    if any(d >= 1 << 62 for d in shape) or math.prod(shape) * dtype.itemsize >= 1 << 62:
-        raise InvalidArgument(f"{field}.shape: too large; got {list(shape)}")
-    return dtype, shape
+            yield pb.ReduceStreamResponse(chunk=pb.TensorChunk(pair=p, offset=base + start,
+                                                               data=bytes(data[start:start + step])))

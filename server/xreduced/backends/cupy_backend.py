@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import DeviceInfo, exact_f32
+from xreduced.backends import Backend, DeviceInfo, exact_f32
 from xreduced.backends.cupy_ipc import _BF16, DeviceBits, IpcMixin, IpcRegion, device_view
 from xreduced.backends.numpy_backend import divide
 
@@ -60,7 +60,7 @@ class _Buf:
     dtype: np.dtype  # the logical dtype
 
 
-class CupyBackend(IpcMixin):
+class CupyBackend(IpcMixin, Backend):
     """Logical devices on GPUs; see the module docstring.
 
     Example (needs a GPU):
@@ -70,6 +70,7 @@ class CupyBackend(IpcMixin):
     """
 
     name = "cupy"
+    cuda_ipc = True
 
     def __init__(self, virtual_devices: int | None = None):
         import cupy
@@ -194,8 +195,7 @@ class CupyBackend(IpcMixin):
             >>> b.write(out, b.upload(1, np.ones(2, np.float32))); b.synchronize(); out  # doctest: +SKIP
             array([1., 1.], dtype=float32)
         """
-        cp = self._cp
-        device_dst = isinstance(dst, DeviceBits) or isinstance(dst, cp.ndarray)
+        device_dst = self.is_device_array(dst)
         if not isinstance(buf, _Buf):  # e.g. an input returned as is (one replica)
             if not device_dst and isinstance(buf, np.ndarray):
                 _check_same(dst.dtype, dst.size, buf.dtype, buf.size)
@@ -219,6 +219,18 @@ class CupyBackend(IpcMixin):
                 src.get(stream=stream, out=host)  # blocking: done on return
             else:
                 host[...] = src.get(stream=stream)
+
+    def is_device_array(self, array) -> bool:
+        """Whether ``array`` is a CuPy array or a :class:`DeviceBits` (e.g. a view of an :class:`IpcRegion`)."""
+        return isinstance(array, DeviceBits) or isinstance(array, self._cp.ndarray)
+
+    def to_host(self, array) -> np.ndarray:
+        """``array`` as a numpy array: a device array (CuPy or :class:`DeviceBits`) copied from its GPU."""
+        if isinstance(array, DeviceBits):
+            return array.bits.get().view(array.dtype)
+        if isinstance(array, self._cp.ndarray):
+            return array.get()
+        return np.asarray(array)
 
     def download(self, buf: _Buf) -> np.ndarray:
         dev, stream = self._on(buf.device)

@@ -50,7 +50,7 @@ class IpcMixin:
 
     def _wait_region(self, array, stream) -> None:
         """Makes ``stream`` wait on the IPC event of the region ``array`` views, if any."""
-        mem = getattr(array.data, "mem", None)
+        mem = array.data.mem
         with self._ipc_lock:
             region = self._regions.get(id(mem))
         if region is not None and region._mem is mem:
@@ -199,6 +199,19 @@ class IpcRegion:
         self._mem = cp.cuda.UnownedMemory(ptr, byte_size, self, self.device_id)
         self.array = cp.ndarray((byte_size,), cp.uint8, cp.cuda.MemoryPointer(self._mem, 0))
 
+    def view(self, offset: int, dtype, shape: tuple[int, ...]):
+        """The region's bytes from ``offset`` as ``dtype`` and ``shape`` (see :func:`device_view`).
+
+        Raises:
+            ValueError: the region holds too few bytes from ``offset``.
+
+        Example (needs a GPU and a handle from another process):
+            >>> region.view(64, np.float32, (2, 3)).shape  # doctest: +SKIP
+            (2, 3)
+        """
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return device_view(self.array[offset:offset + nbytes], dtype, shape)
+
     @property
     def has_event(self) -> bool:
         """Whether the caller gave an IPC event to wait on."""
@@ -222,7 +235,7 @@ class IpcRegion:
             raise ValueError("the CUDA IPC region is closed")
         rt = self._backend._cp.cuda.runtime
         if stream is not None:
-            rt.streamWaitEvent(getattr(stream, "ptr", stream), self._event, 0)
+            rt.streamWaitEvent(stream if isinstance(stream, int) else stream.ptr, self._event, 0)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -3,7 +3,7 @@
 Through the backend's operations, copies between devices are real copies, so
 the plan's data movement happens as it would between GPUs, and the numbers are
 those of the GPU path. The executor runs plans on this backend fused instead
-(``host_memory``): the same additions on views of the inputs, without the copies.
+(:class:`~xreduced.backends.HostMemory`): the same additions on views of the inputs, without the copies.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import os
 import numpy as np
 from xreduce.wire.contract import mean_dtype
 
-from xreduced.backends import DeviceInfo, dgx1_peer_matrix
+from xreduced.backends import Backend, DeviceInfo, HostMemory, dgx1_peer_matrix
 
 
-class NumpyBackend:
+class NumpyBackend(HostMemory, Backend):
     """Host memory backend with ``num_devices`` logical CPU devices.
 
     Example:
@@ -27,8 +27,6 @@ class NumpyBackend:
     """
 
     name = "numpy"
-    host_memory = True
-    """Buffers are numpy arrays in host memory: the executor may run plans fused on them."""
 
     def __init__(self, num_devices: int = 8):
         if num_devices < 1:

@@ -1,5 +1,4 @@
-"""The daemon's limits: request size, in-flight bytes, collectives waiting; and
-how the daemon's memory stays within them.
+"""Admission: which calls the daemon takes on now, within its limits.
 
 A call over a limit is refused at once with ``RESOURCE_EXHAUSTED`` and a
 message that names the figures and the flag; nothing blocks waiting for room,
@@ -22,33 +21,14 @@ What each limit counts:
   a call joining one already open is always let in (refusing it would only
   make the others time out).
 
-The memory bound (:func:`memory_bound`): the daemon's peak RSS stays within
-
-    idle RSS + ``--max-inflight-bytes``
-    + TRANSFER_FACTOR x the bytes of the messages in transfer at once
-    + OVERHEAD_FACTOR x the largest message (request or reply)
-
-The in-flight budget counts a call from the moment its request is parsed; the
-bytes of a request that gRPC is still receiving (or that is being refused),
-and of a reply it is still sending, cannot be counted, and each costs about
-:data:`TRANSFER_FACTOR` times its size meanwhile (gRPC's buffer and its Python
-copy), one message per connected caller at most. What remains is the
-allocator's slack, :data:`OVERHEAD_FACTOR` largest messages, provided
-:func:`tune_malloc` has run (the ``xreduced`` command runs it): glibc then
-keeps at most :data:`MALLOC_ARENAS` arenas and maps every block of
-:data:`MALLOC_MMAP_THRESHOLD` bytes or more on its own, so freed arrays go
-back to the system instead of staying in one arena per thread. Measured with
-``bench/load.py`` (32 clients x 500 mixed calls, replicas of 4 B to 4 MiB,
-``--max-inflight-bytes`` 256 MiB): see README, "Faults and load".
+How the daemon's memory stays within these is :mod:`xreduced.memory`'s part.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import math
 import threading
 from collections.abc import Hashable, Iterator
@@ -68,23 +48,9 @@ freed once parsed)."""
 REPLY_FACTOR = 4
 """Working-set bytes per result byte a reply carries: the result arrays, the reply message as the service
 builds it (each nesting level of a protobuf message built from parts copies them), the serialized reply.
-Measured (VmHWM growth of a fresh daemon for one call, after :func:`tune_malloc`): a Reduce of 8 x 4 MiB
-float32 (32 MiB in, 32 MiB out) +161 to +182 MiB, estimated 192 MiB; a Broadcast of 4 MiB to 8 devices
-(4 MiB in, 32 MiB out) +143 MiB, estimated 136 MiB."""
-
-TRANSFER_FACTOR = 2
-"""Uncounted bytes per byte of a message gRPC is receiving or sending: its own buffer and the Python copy."""
-
-OVERHEAD_FACTOR = 4
-"""The allocator's slack above what is counted, in largest messages (request or reply)."""
-
-MALLOC_ARENAS = 2
-"""glibc malloc arenas the daemon keeps at most (glibc's default is 8 per core, one per busy thread)."""
-
-MALLOC_MMAP_THRESHOLD = 1 << 20
-"""Blocks from this size up are mapped on their own and unmapped when freed (glibc's default threshold
-rises to 32 MiB as large blocks are freed, after which freed arrays stay in the arenas)."""
-
+Measured (VmHWM growth of a fresh daemon for one call, after :func:`~xreduced.memory.tune_malloc`): a
+Reduce of 8 x 4 MiB float32 (32 MiB in, 32 MiB out) +161 to +182 MiB, estimated 192 MiB; a Broadcast of
+4 MiB to 8 devices (4 MiB in, 32 MiB out) +143 MiB, estimated 136 MiB."""
 
 class LimitExceeded(ServiceError):
     """A call over one of the daemon's limits; ``limit`` names the setting."""
@@ -120,7 +86,7 @@ class Limits:
             >>> Limits(max_request_bytes=100).check_request(150, "/x.Y/Z")
             Traceback (most recent call last):
             ...
-            xreduced.limits.LimitExceeded: /x.Y/Z: request of 150 bytes is over --max-request-bytes 100
+            xreduced.admission.LimitExceeded: /x.Y/Z: request of 150 bytes is over --max-request-bytes 100
         """
         limit = self.max_request_bytes
         if limit is not None and size > limit:
@@ -137,7 +103,7 @@ class InflightBytes:
         >>> b.reserve(50)
         Traceback (most recent call last):
         ...
-        xreduced.limits.LimitExceeded: request of 50 bytes would bring in-flight bytes to 110,
+        xreduced.admission.LimitExceeded: request of 50 bytes would bring in-flight bytes to 110,
         over --max-inflight-bytes 100 (60 in flight now)
         >>> b.release(60); b.value
         0
@@ -164,7 +130,7 @@ class InflightBytes:
             >>> InflightBytes(1000).reserve(1200, request_bytes=100)
             Traceback (most recent call last):
             ...
-            xreduced.limits.LimitExceeded: request of 100 bytes (working set 1200 bytes) would bring in-flight
+            xreduced.admission.LimitExceeded: request of 100 bytes (working set 1200 bytes) would bring in-flight
             bytes to 1200, over --max-inflight-bytes 1000 (0 in flight now)
         """
         with self._lock:
@@ -203,7 +169,7 @@ class CollectiveSlots:
         ...     pass
         Traceback (most recent call last):
         ...
-        xreduced.limits.LimitExceeded: collective 1 would be the 2nd collective waiting at once,
+        xreduced.admission.LimitExceeded: collective 1 would be the 2nd collective waiting at once,
         over --max-collectives 1
     """
 
@@ -247,6 +213,54 @@ class CollectiveSlots:
             self.leave(key)
 
 
+class Admission:
+    """The daemon's limits and what counts against them: the in-flight bytes and the open collectives.
+
+    Example:
+        >>> a = Admission(Limits(max_inflight_bytes=1000))
+        >>> a.inflight.limit, a.collectives.limit
+        (1000, None)
+    """
+
+    def __init__(self, limits: Limits | None = None):
+        self.limits = limits or Limits()
+        self.inflight = InflightBytes(self.limits.max_inflight_bytes)
+        self.collectives = CollectiveSlots(self.limits.max_collectives)
+
+    @classmethod
+    def from_config(cls, config: Config) -> Admission:
+        """The admission of a daemon configured by ``config``."""
+        return cls(Limits.from_config(config))
+
+    def check_request(self, size: int, method: str) -> None:
+        """Refuses a request of ``size`` serialized bytes over ``--max-request-bytes`` (see :class:`Limits`)."""
+        self.limits.check_request(size, method)
+
+    def admit(self, request, size: int) -> int:
+        """Reserves a call's working set (:func:`working_set` of ``request``, ``size``
+        serialized bytes) in the in-flight budget; returns the bytes to :meth:`release`
+        once its reply is serialized.
+
+        Raises:
+            LimitExceeded: over ``--max-inflight-bytes``; nothing is reserved.
+
+        Example:
+            >>> a = Admission()
+            >>> held = a.admit(pb.ListDevicesRequest(), 100)
+            >>> a.inflight.value
+            200
+            >>> a.release(held); a.inflight.value
+            0
+        """
+        n = working_set(request, size)
+        self.inflight.reserve(n, size)
+        return n
+
+    def release(self, n: int) -> None:
+        """Gives back ``n`` bytes :meth:`admit` reserved."""
+        self.inflight.release(n)
+
+
 def _ordinal(n: int) -> str:
     """Example:
     >>> [_ordinal(i) for i in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)]
@@ -254,25 +268,6 @@ def _ordinal(n: int) -> str:
     """
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-def memory_bound(idle: int, inflight_limit: int, largest_message: int, transfers: int = 1) -> int:
-    """The stated bound on the daemon's RSS, in bytes (see the module docstring):
-    ``idle + inflight_limit + (TRANSFER_FACTOR * transfers + OVERHEAD_FACTOR) * largest_message``.
-
-    Args:
-        idle: the daemon's RSS before the load.
-        inflight_limit: its ``--max-inflight-bytes``.
-        largest_message: the largest request or reply of the load.
-        transfers: how many messages of that size may be in transfer at once:
-            1 for a mix of sizes; the number of callers when every one of them
-            sends the largest at once.
-
-    Example:
-        >>> memory_bound(60 << 20, 256 << 20, 32 << 20) >> 20
-        508
-    """
-    return idle + inflight_limit + (TRANSFER_FACTOR * transfers + OVERHEAD_FACTOR) * largest_message
 
 
 def working_set(request, size: int) -> int:
@@ -344,46 +339,3 @@ def _tensor_bytes(tensor, mean: bool, size: int) -> int:
         return min(elements, size) * (16 if dtype.kind == "c" else 10)
     cap = tensor.region.byte_size if tensor.HasField("region") else size
     return min(elements, max(cap, 0) // dtype.itemsize) * out.itemsize
-
-
-def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MALLOC_MMAP_THRESHOLD) -> bool:
-    """Makes glibc's malloc give freed memory back: at most ``arenas`` arenas,
-    and blocks of ``mmap_threshold`` bytes and more mapped on their own. Call it
-    once at process start, before the serving threads exist.
-
-    Returns:
-        True when glibc took the settings; False elsewhere (another C library).
-
-    Example:
-        >>> tune_malloc() in (True, False)
-        True
-    """
-    libc = _glibc()
-    if libc is None:
-        return False
-    m_mmap_threshold, m_arena_max = -3, -8  # glibc's malloc.h
-    return bool(libc.mallopt(m_arena_max, arenas)) and bool(libc.mallopt(m_mmap_threshold, mmap_threshold))
-
-
-def trim_malloc() -> None:
-    """Returns the free memory at the top of glibc's heaps to the system (no-op
-    elsewhere); cheap after :func:`tune_malloc`, which keeps large blocks out of
-    the heaps.
-
-    Example:
-        >>> trim_malloc()
-    """
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc():
-    """The C library when it is glibc, else None."""
-    try:
-        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
-        libc.gnu_get_libc_version  # noqa: B018 (glibc alone has it)
-    except (OSError, AttributeError):
-        return None
-    return libc

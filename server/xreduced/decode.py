@@ -1,0 +1,342 @@
+"""Wire to domain: the fields of a request decoded and checked, the same way for every RPC that has them.
+
+Pure functions of the message and what they are told (the daemon's devices,
+the regions a call may name, the call's deadline): no service state, no gRPC
+context. Every failure is a :class:`~xreduced.errors.ServiceError` (or the
+codec's error) whose message names the field and the value received.
+
+Example:
+    >>> from xreduce.v1 import xreduce_pb2 as pb
+    >>> group(pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, process_id=1)))
+    Group(key=('g', 'seq:0'), label='collective 0 in group "g"', num_processes=2, process_id=1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
+
+from xreduced import planner
+from xreduced.collective import label
+from xreduced.devices import DeviceTable
+from xreduced.engine import MEAN, SUM, Value
+from xreduced.errors import FailedPrecondition, InvalidArgument
+from xreduced.executor import Deadline
+from xreduced.regions import CallRegions
+
+MAX_PROCESSES = 65536
+"""The most processes a collective may have."""
+
+MAX_TIMEOUT_SECONDS = 86400
+"""The longest ``timeout`` a request may ask for: one day."""
+
+OPS = {pb.REDUCE_OP_SUM: SUM, pb.REDUCE_OP_MEAN: MEAN}
+ALGORITHMS = {
+    pb.ALGORITHM_UNSPECIFIED: planner.HIERARCHICAL_COPY,
+    pb.ALGORITHM_HIERARCHICAL_COPY: planner.HIERARCHICAL_COPY,
+    pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE: planner.REDUCTION_TO_ONE_DEVICE,
+}
+ROUTES = {
+    planner.IDENTITY: pb.ROUTE_IDENTITY,
+    planner.HIERARCHICAL_COPY: pb.ROUTE_HIERARCHICAL_COPY,
+    planner.REDUCTION_TO_ONE_DEVICE: pb.ROUTE_REDUCTION_TO_ONE_DEVICE,
+}
+"""The other way: the route the engine took, as the reply names it."""
+
+DATA_FIELDS = ("raw_data", "float_values", "int_values", "uint_values")
+"""The fields of a Tensor that carry its data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A validated CollectiveSpec: the rendezvous key, how messages name it, and this process's place."""
+
+    key: tuple[str, str]
+    label: str
+    num_processes: int
+    process_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A reduction's options; ``num_packs`` is the engine's to check (it checks every caller's)."""
+
+    num_packs: int
+    algorithm: str
+    reduce_to: int | None
+    deadline: Deadline
+
+
+def group(request) -> Group | None:
+    """The request's collective, or None when one process does it alone."""
+    if not request.HasField("collective"):
+        return None
+    found = collective(request.collective)
+    return found if found.num_processes > 1 else None
+
+
+def collective(spec: pb.CollectiveSpec) -> Group:
+    """A CollectiveSpec, checked.
+
+    Example:
+        >>> collective(pb.CollectiveSpec(group="g", num_processes=2, process_id=2))
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: collective.process_id: must be in [0, num_processes); got process_id=2,
+        num_processes=2
+    """
+    if not spec.group:
+        raise InvalidArgument("collective.group: a group name is required; got ''")
+    if not 1 <= spec.num_processes <= MAX_PROCESSES:
+        raise InvalidArgument(f"collective.num_processes: must be in [1, {MAX_PROCESSES}]; got {spec.num_processes}")
+    if not 0 <= spec.process_id < spec.num_processes:
+        raise InvalidArgument(
+            f"collective.process_id: must be in [0, num_processes); got process_id={spec.process_id}, "
+            f"num_processes={spec.num_processes}"
+        )
+    if spec.sequence < 0:
+        raise InvalidArgument(f"collective.sequence: must be >= 0; got {spec.sequence}")
+    key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
+    return Group(key, label(spec.group, spec.sequence, spec.name), spec.num_processes, spec.process_id)
+
+
+def op(value: int) -> str:
+    """A ``reduce_op``: the engine's SUM or MEAN.
+
+    Example:
+        >>> op(7)
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: reduce_op: must be REDUCE_OP_SUM or REDUCE_OP_MEAN; got 7
+    """
+    if value not in OPS:
+        raise InvalidArgument(
+            f"reduce_op: must be REDUCE_OP_SUM or REDUCE_OP_MEAN; got {_enum_label(pb.ReduceOp, value)}")
+    return OPS[value]
+
+
+def options(request, devices: DeviceTable, deadline: Deadline) -> Options:
+    """A Reduce's or BatchReduce's ``num_packs``, ``algorithm`` and ``reduce_to_device``, with its deadline."""
+    if request.algorithm not in ALGORITHMS:
+        raise InvalidArgument(
+            f"algorithm: must be ALGORITHM_HIERARCHICAL_COPY or ALGORITHM_REDUCTION_TO_ONE_DEVICE; "
+            f"got {_enum_label(pb.Algorithm, request.algorithm)}"
+        )
+    algorithm = ALGORITHMS[request.algorithm]
+    reduce_to = None
+    if request.reduce_to_device:
+        if algorithm != planner.REDUCTION_TO_ONE_DEVICE:
+            raise InvalidArgument(
+                f"reduce_to_device: only used with ALGORITHM_REDUCTION_TO_ONE_DEVICE; got "
+                f"{request.reduce_to_device!r} with {_enum_label(pb.Algorithm, request.algorithm)}"
+            )
+        reduce_to = devices.resolve(request.reduce_to_device, "reduce_to_device")
+    num_packs = request.num_packs if request.HasField("num_packs") else 1
+    return Options(num_packs, algorithm, reduce_to, deadline)
+
+
+def deadline(request, call_seconds: float | None, collective_seconds: float | None) -> Deadline:
+    """The earliest of the request's ``timeout`` (else ``collective_seconds``, for a process
+    waiting on others) and ``call_seconds`` (the call's gRPC deadline, see :func:`call_deadline`).
+
+    Example:
+        >>> from google.protobuf.duration_pb2 import Duration
+        >>> deadline(pb.ReduceRequest(timeout=Duration(seconds=5)), 2.0, None).seconds
+        2.0
+    """
+    limits = []
+    if request.HasField("timeout"):
+        limits.append(timeout_seconds(request.timeout))
+    elif collective_seconds is not None:
+        limits.append(collective_seconds)
+    if call_seconds is not None:
+        limits.append(call_seconds)
+    return Deadline(min(limits) if limits else None)
+
+
+def call_deadline(context) -> float | None:
+    """Seconds left before the call's gRPC deadline, or None without one (gRPC then says about 2**63 s)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining <= MAX_TIMEOUT_SECONDS else None
+
+
+def timeout_seconds(timeout) -> float:
+    """A request's ``timeout`` in seconds, checked as protobuf defines a Duration.
+
+    Example:
+        >>> from google.protobuf.duration_pb2 import Duration
+        >>> timeout_seconds(Duration(seconds=-1))
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: timeout: must be positive; got -1s
+    """
+    s, n = timeout.seconds, timeout.nanos
+    if not -999_999_999 <= n <= 999_999_999 or (s and n and (s < 0) != (n < 0)):
+        raise InvalidArgument(f"timeout: not a valid Duration; got {{seconds: {s}, nanos: {n}}}")
+    seconds = s + n / 1e9
+    shown = f"{seconds:g}s"
+    if seconds <= 0:
+        raise InvalidArgument(f"timeout: must be positive; got {shown}")
+    if seconds > MAX_TIMEOUT_SECONDS:
+        raise InvalidArgument(f"timeout: must be at most {MAX_TIMEOUT_SECONDS}s (one day); got {shown}")
+    return seconds
+
+
+def devices(names: Sequence[str], field: str, table: DeviceTable) -> tuple[int, ...]:
+    """Device names (``destinations``, say) as the daemon's device indices, each checked."""
+    return tuple(table.resolve(n, f"{field}[{i}]") for i, n in enumerate(names))
+
+
+def value(message: pb.DistributedValue, field: str, table: DeviceTable, regions: CallRegions | None) -> Value:
+    """A DistributedValue: each component's device and its tensor (see :func:`tensor`)."""
+    where, arrays = [], []
+    for p, comp in enumerate(message.components):
+        where.append(table.resolve(comp.device, f"{field}.components[{p}].device"))
+        arrays.append(tensor(comp.tensor, f"{field}.components[{p}].tensor", regions))
+    return Value(tuple(where), tuple(arrays), field)
+
+
+def tensor(message: pb.Tensor, field: str, regions: CallRegions | None) -> Any:
+    """A tensor: decoded from its bytes, or a view of the caller's region (pinned for the call).
+
+    Example:
+        >>> tensor(codec.encode(np.arange(3, dtype=np.int16)), "tensor", None)
+        array([0, 1, 2], dtype=int16)
+    """
+    if not message.HasField("region"):
+        return codec.decode(message, field)
+    dtype, shape = codec.spec(message, field)
+    if found := carried(message):
+        raise InvalidArgument(f"{field}: names a region and carries {', '.join(found)}; send one of them")
+    want = math.prod(shape) * dtype.itemsize
+    r = message.region
+    if r.byte_size != want:
+        raise InvalidArgument(f"{field}.region.byte_size: {r.byte_size} bytes for {dtype.name}{list(shape)}, "
+                              f"expected {want}")
+    if r.offset % dtype.itemsize:
+        raise InvalidArgument(f"{field}.region.offset: must be a multiple of the {dtype.name} item size "
+                              f"({dtype.itemsize}); got {r.offset}")
+    try:
+        return _regions(regions, f"{field}.region").view(r.name, r.offset, r.byte_size, dtype, shape,
+                                                         f"{field}.region")
+    except ValueError as e:  # e.g. a zero-size shape whose other dimensions overflow numpy's size type
+        raise InvalidArgument(f"{field}.shape: numpy cannot make an array of shape {list(shape)} ({e})") from None
+
+
+def streamed(message: pb.Tensor, field: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """A ReduceStream header tensor's dtype and shape (its data follows in chunks), checked as
+    the codec checks a tensor's.
+
+    Example:
+        >>> streamed(pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=[2, 3], streamed=True), "tensor")
+        (dtype('float32'), (2, 3))
+    """
+    found = carried(message)
+    if message.HasField("region"):
+        found.append("region")
+    if found:
+        raise InvalidArgument(f"{field}: a ReduceStream tensor carries no data (its bytes follow in chunks); got "
+                              f"{', '.join(found)}")
+    if not message.streamed:
+        raise InvalidArgument(f"{field}.streamed: must be true in a ReduceStream header (the data follows in "
+                              "chunks); got false")
+    dtype = codec.numpy_dtype(message.dtype, f"{field}.dtype")
+    shape = tuple(message.shape)
+    if len(shape) > codec.MAX_DIMS:
+        raise InvalidArgument(f"{field}.shape: at most {codec.MAX_DIMS} dimensions; got {len(shape)}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{field}.shape: dimensions must be >= 0; got {list(shape)}")
+    if any(d >= 1 << 62 for d in shape) or math.prod(shape) * dtype.itemsize >= 1 << 62:
+        raise InvalidArgument(f"{field}.shape: too large; got {list(shape)}")
+    return dtype, shape
+
+
+def carried(message: pb.Tensor) -> list[str]:
+    """The data fields a tensor carries.
+
+    Example:
+        >>> carried(pb.Tensor(raw_data=b"1234"))
+        ['raw_data']
+    """
+    return [name for name in DATA_FIELDS if len(getattr(message, name))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one result component goes in an output region: the region's name, the offset in
+    it, and the writable view there."""
+
+    region: str
+    offset: int
+    view: Any
+
+
+def layout(output: pb.RegionSlice, results: Sequence[tuple[Sequence[int], np.dtype, tuple[int, ...]]],
+           regions: CallRegions | None) -> list[dict[int, Slot]]:
+    """Places each result component in ``output`` as :func:`~xreduce.wire.layout.output_layout` says.
+
+    Args:
+        results: per result, (destination devices, dtype, shape).
+
+    Returns:
+        Per result, destination device -> its :class:`Slot`.
+    """
+    offsets, total = output_layout([(len(dests), dtype, shape) for dests, dtype, shape in results])
+    if total > output.byte_size:
+        raise InvalidArgument(f"output.byte_size: the results need {total} bytes ({OUTPUT_ALIGNMENT}-byte "
+                              f"aligned, in order); the slice has {output.byte_size}")
+    if output.offset % OUTPUT_ALIGNMENT:
+        raise InvalidArgument(f"output.offset: must be a multiple of {OUTPUT_ALIGNMENT}; got {output.offset}")
+    out = []
+    for (dests, dtype, shape), places in zip(results, offsets):
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots = {}
+        for d, at in zip(dests, places):
+            view = _regions(regions, "output").view(output.name, output.offset + at, nbytes, dtype, shape, "output")
+            slots[d] = Slot(output.name, output.offset + at, view)
+        out.append(slots)
+    return out
+
+
+def views(slots: dict[int, Slot] | None) -> dict[int, Any] | None:
+    """The engine's ``out=`` for one result: destination device -> the view to write.
+
+    Example:
+        >>> views({0: Slot("out", 128, "the view")})
+        {0: 'the view'}
+    """
+    return None if slots is None else {d: slot.view for d, slot in slots.items()}
+
+
+def encoding(values: Sequence[pb.DistributedValue]) -> str:
+    """The request's encoding, which its reply answers in: typed if any tensor carries typed values.
+
+    Example:
+        >>> encoding([pb.DistributedValue(components=[pb.Component(tensor=pb.Tensor(float_values=[1.0]))])])
+        'typed'
+    """
+    for v in values:
+        for comp in v.components:
+            if codec.encoding_of(comp.tensor) == codec.TYPED:
+                return codec.TYPED
+    return codec.RAW
+
+
+def _regions(regions: CallRegions | None, field: str) -> CallRegions:
+    if regions is None:
+        raise FailedPrecondition(f"{field}: regions can only be named inside a call")
+    return regions
+
+
+def _enum_label(enum_type, number: int) -> str:
+    try:
+        return f"{enum_type.Name(number)} ({number})"
+    except ValueError:
+        return str(number)

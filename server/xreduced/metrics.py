@@ -1,0 +1,144 @@
+"""What the daemon has done: counters per method and status code, reduction
+timings, and the Prometheus metrics that show them.
+
+The Prometheus metrics live in each daemon's own registry (several daemons
+can run in one process); ``--metrics-listen`` serves them over HTTP:
+
+* ``xreduce_calls_total{method,code}``: finished calls per method and status code
+  (errors are the codes other than ``OK``);
+* ``xreduce_bytes_in_total{method}``, ``xreduce_bytes_out_total{method}``:
+  serialized request and reply bytes;
+* ``xreduce_reduction_seconds{method}`` (histogram): how long the reduction of a
+  successful Reduce, BatchReduce or Broadcast took, from decoded request to
+  result (a multi-process collective counts once, when every process is in);
+* ``xreduce_algbw_bytes_per_second{method}`` (histogram): algorithm bandwidth
+  of those reductions, one replica's bytes divided by the reduction seconds
+  (as nccl-tests' algbw);
+* ``xreduce_inflight_bytes`` (gauge): the estimated working sets of the calls being served
+  (:func:`xreduced.admission.working_set`);
+* ``xreduce_collectives_waiting`` (gauge);
+* ``xreduce_limit_rejections_total{limit}``: calls refused by each limit.
+
+The call pipeline (:mod:`xreduced.pipeline`) records every call here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+import prometheus_client
+
+REDUCTION_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                             1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ALGBW_BUCKETS = (1e4, 1e5, 1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11, 2.5e11,
+                 5e11, 1e12)
+"""Bytes per second, 10 kB/s to 1 TB/s."""
+
+
+class Stats:
+    """Counters since the daemon started and its Prometheus registry; thread-safe.
+
+    Args:
+        inflight: the in-flight bytes now (the ``xreduce_inflight_bytes`` gauge).
+        collectives_waiting: the collectives waiting for participants now.
+
+    Example:
+        >>> s = Stats()
+        >>> s.record("/x.Y/Z", "OK", 10, 20, 0.001)
+        >>> s.snapshot()["/x.Y/Z"]["calls_by_code"]
+        {'OK': 1}
+        >>> s.registry.get_sample_value("xreduce_calls_total", {"method": "/x.Y/Z", "code": "OK"})
+        1.0
+    """
+
+    def __init__(self, inflight: Callable[[], int] = lambda: 0, collectives_waiting: Callable[[], int] = lambda: 0):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self._methods: dict[str, dict] = collections.defaultdict(
+            lambda: {"calls_by_code": collections.Counter(), "bytes_in": 0, "bytes_out": 0})
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._calls = prometheus_client.Counter(
+            "xreduce_calls", "Finished calls per method and status code.", ["method", "code"], registry=r)
+        self._bytes_in = prometheus_client.Counter(
+            "xreduce_bytes_in", "Serialized request bytes per method.", ["method"], registry=r)
+        self._bytes_out = prometheus_client.Counter(
+            "xreduce_bytes_out", "Serialized reply bytes per method.", ["method"], registry=r)
+        self._seconds = prometheus_client.Histogram(
+            "xreduce_reduction_seconds", "Seconds a successful Reduce, BatchReduce or Broadcast took to reduce.",
+            ["method"], buckets=REDUCTION_SECONDS_BUCKETS, registry=r)
+        self._algbw = prometheus_client.Histogram(
+            "xreduce_algbw_bytes_per_second", "Algorithm bandwidth of a reduction: one replica's bytes "
+            "divided by its seconds.", ["method"], buckets=ALGBW_BUCKETS, registry=r)
+        self._rejections = prometheus_client.Counter(
+            "xreduce_limit_rejections", "Calls refused by a limit.", ["limit"], registry=r)
+        prometheus_client.Gauge("xreduce_inflight_bytes", "Estimated working sets of the calls being served now.",
+                                registry=r).set_function(inflight)
+        prometheus_client.Gauge("xreduce_collectives_waiting", "Multi-process collectives waiting for "
+                                "participants now.", registry=r).set_function(collectives_waiting)
+
+    def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
+        """Counts one finished call."""
+        with self._lock:
+            m = self._methods[method]
+            m["calls_by_code"][code] += 1
+            m["bytes_in"] += bytes_in
+            m["bytes_out"] += bytes_out
+        self._calls.labels(method, code).inc()
+        self._bytes_in.labels(method).inc(bytes_in)
+        self._bytes_out.labels(method).inc(bytes_out)
+
+    def observe_reduction(self, method: str, seconds: float, replica_bytes: int) -> None:
+        """Counts one finished reduction of ``replica_bytes`` per replica."""
+        self._seconds.labels(method).observe(seconds)
+        if seconds > 0 and replica_bytes > 0:
+            self._algbw.labels(method).observe(replica_bytes / seconds)
+
+    def rejected(self, limit: str) -> None:
+        """Counts one call refused by ``limit`` (e.g. ``max_inflight_bytes``)."""
+        self._rejections.labels(limit).inc()
+
+    def snapshot(self) -> dict[str, dict]:
+        """A copy of the counters, per method."""
+        with self._lock:
+            return {k: {"calls_by_code": dict(v["calls_by_code"]), "bytes_in": v["bytes_in"],
+                        "bytes_out": v["bytes_out"]} for k, v in self._methods.items()}
+
+
+class MetricsServer:
+    """Serves a registry's metrics in Prometheus' text format over HTTP at ``/metrics`` (any path works).
+
+    Args:
+        listen: ``host:port``; port 0 picks a free one (``address`` names it).
+
+    Raises:
+        RuntimeError: ``listen`` is malformed or cannot be bound.
+
+    Example:
+        >>> m = MetricsServer("127.0.0.1:0", Stats().registry)
+        >>> m.address.startswith("127.0.0.1:")
+        True
+        >>> m.stop()
+    """
+
+    def __init__(self, listen: str, registry: prometheus_client.CollectorRegistry):
+        host, _, port_text = listen.rpartition(":")
+        host = host.strip("[]")
+        if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            raise RuntimeError(f"--metrics-listen {listen!r}: must be host:port (port 0 picks a free port)")
+        try:
+            self._httpd, self._thread = prometheus_client.start_http_server(
+                int(port_text), host or "0.0.0.0", registry=registry)
+        except OSError as e:
+            raise RuntimeError(f"--metrics-listen {listen!r}: cannot listen ({e.strerror or e})") from None
+        port = self._httpd.server_address[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
+
+    def stop(self) -> None:
+        """Stops serving and closes the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
