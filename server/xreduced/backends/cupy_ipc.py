@@ -19,12 +19,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from xreduced.backends.cupy_backend import CupyBackend
+from xreduced.backends import Backend
 
 _BF16 = "bfloat16"
 _LOG = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ class IpcRegion:
         >>> region.close()  # doctest: +SKIP
     """
 
-    def __init__(self, backend: CupyBackend, key: tuple[bytes, int], ptr: int, byte_size: int, event_ptr: int):
+    def __init__(self, backend: Backend, key: tuple[bytes, int], ptr: int, byte_size: int, event_ptr: int):
         cp = backend._cp
         self._backend = backend
         self._key = key
