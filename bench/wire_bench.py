@@ -42,23 +42,16 @@ import sys
 import tempfile
 import time
 from concurrent import futures
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-for _sub in ("server", "client"):  # runnable from a checkout without installing
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
-
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from daemon import DaemonProcess  # noqa: E402
-from xreduce import _client  # noqa: E402
-from xreduce import _codec as codec  # noqa: E402
-from xreduce._cli import parse_bytes  # noqa: E402
-from xreduce._client import Client  # noqa: E402
-from xreduce._streaming import DEFAULT_CHUNK_BYTES, stream_batch_reduce, streamed_tensor  # noqa: E402
-from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
+import grpc
+import numpy as np
+from xreduce import _client
+from xreduce import _codec as codec
+from xreduce._client import Client
+from xreduce._streaming import DEFAULT_CHUNK_BYTES, stream_batch_reduce, streamed_tensor
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce_bench.daemon import DaemonProcess
+from xreduce_bench.sweep import parse_bytes
 
 REPLICAS = 8
 """Replicas of the payload (and the daemons' host devices); ``--replicas`` changes it."""

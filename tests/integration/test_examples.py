@@ -1,0 +1,43 @@
+"""The example programs run as a user runs them, and do what they say."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_mirrored_numpy_loss_falls_every_few_steps():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "mirrored_numpy.py"), "--embedded", "--steps", "8"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert out.splitlines()[0].startswith("replicas: 8 on CPU:0, CPU:1")
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 8
+    assert losses[-1] < losses[0] / 10
+
+
+def test_xreduce_plan_prints_the_steps():
+    out = subprocess.run(
+        [sys.executable, "-m", "xreduce._cli", "plan", "--devices", "8", "--num-packs", "2", "--bytes", "1MiB"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    lines = out.splitlines()
+    assert lines[0] == "hierarchical_copy over 8 devices [0, 1, 2, 3, 4, 5, 6, 7], 2 pack(s), 1 MiB per device"
+    assert "pack 1 (131072 elements, 512 KiB): main devices 1 and 5" in lines
+    assert "  sum on 1: in@0 + in@1 + in@2 + in@3 -> partial@1" in lines
+    assert "  copy partial@5: 5 -> 1 (512 KiB)" in lines
+    assert lines[-1] == "total copied: 14 MiB"
+
+
+def test_xreduce_plan_rejects_bad_sizes():
+    result = subprocess.run(
+        [sys.executable, "-m", "xreduce._cli", "plan", "--bytes", "3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--bytes 3 is not a multiple of float32's 4 bytes" in result.stderr
