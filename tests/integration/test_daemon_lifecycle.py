@@ -165,6 +165,7 @@ def test_port_zero_binds_a_free_port_and_logs_it():
         assert stop(proc) == 0
 
 
+@pytest.mark.slow
 def test_unix_socket_address(sock_dir):
     address = f"unix:{sock_dir}/xreduced.sock"
     with running(["--listen", address, *NUMPY]) as proc:
@@ -358,6 +359,7 @@ def test_grace_seconds(args, env, shown):
         pytest.param(["--workers", "4"], {"XREDUCE_WORKERS": "1"}, False, id="arg-4-beats-env-1"),
     ],
 )
+@pytest.mark.slow
 def test_workers(args, env, second_call_waits):
     """With one worker thread a second call waits for the first; with four it does not."""
     with running([*TCP, *NUMPY, *args], env) as proc, stub_for(proc.address) as stub:
@@ -444,6 +446,7 @@ def test_signal_stops_cleanly(sig):
         assert "Traceback" not in log, log
 
 
+@pytest.mark.slow
 def test_an_in_flight_call_completes_during_the_grace_period():
     args = [*TCP, *NUMPY, "--grace-seconds", "60", "--log-level", "DEBUG"]
     with running(args) as proc, stub_for(proc.address) as stub:

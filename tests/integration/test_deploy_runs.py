@@ -200,6 +200,7 @@ def order(services: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)
+@pytest.mark.slow
 def test_compose_services_run_locally(name, short_tmp):
     doc = load_compose(name)
     services = {n: s for n, s in doc["services"].items() if not s.get("profiles")}
@@ -240,6 +241,7 @@ def test_compose_services_run_locally(name, short_tmp):
         local.stop_all()
 
 
+@pytest.mark.slow
 def test_k8s_job_runs_locally(short_tmp):
     k = load_k8s()
     cm, ds, job = k["ConfigMap"], k["DaemonSet"], k["Job"]

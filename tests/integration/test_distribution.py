@@ -292,6 +292,7 @@ def test_initialize_rejects_bad_settings(dead, monkeypatch, kwargs, env, message
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_initialize_unreachable_daemon_names_the_address(dead):
     with pytest.raises(xreduce.UnavailableError, match=re.escape(f"xreduce daemon at {dead} is unavailable")):
         dist.initialize()
@@ -513,6 +514,7 @@ def test_example_runs_embedded():
     assert "distribution() after the scope: None" in out
 
 
+@pytest.mark.slow
 def test_example_without_a_daemon_says_where_it_looked(dead):
     proc = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60,
                           env=_example_env(XREDUCE_ADDRESS=dead))

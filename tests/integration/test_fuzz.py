@@ -63,6 +63,7 @@ def outcome_of(fuzzed, method: str, request, session: str = "none") -> fuzz.Outc
     return outcome
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=MESSAGES)
 @given(call=fuzz.requests())
 def test_malformed_requests_get_client_error_codes(fuzzed, call):
@@ -75,6 +76,7 @@ def test_random_bytes_to_the_raw_handlers_get_client_error_codes(fuzzed, call):
     check(fuzzed, call)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=STREAMS)
 @given(stream=fuzz.streams())
 def test_malformed_streams_get_client_error_codes(fuzzed, stream):

@@ -61,6 +61,7 @@ def test_the_daemon_memory_stays_bounded(loaded):
     assert sampler.peak_inflight <= LIMIT
 
 
+@pytest.mark.slow
 def test_concurrent_large_requests_stay_within_the_limit_plus_overhead(start_daemon):
     """16 clients x 5 Reduces of 8 x 1 MiB float32: the limit admits one at a time (its working set is
     2 x 8 MiB + 4 x 8 MiB of results), the others are refused; every request still costs memory while gRPC

@@ -142,6 +142,7 @@ def test_list_devices_during_a_restart_succeeds_by_retrying(restartable):
     assert ops.reduce("sum", _value(), "CPU:0").tolist() == [11.0, 22.0]
 
 
+@pytest.mark.slow
 def test_idempotent_calls_give_up_with_unavailable_naming_the_address():
     dead = f"127.0.0.1:{_free_port()}"
     client = xreduce.Client(dead)

@@ -477,6 +477,7 @@ print(status, os.path.exists("/dev/shm/" + _shm.find(x)[0]), ops.reduce("sum", v
     assert done.stdout.split() == ["0", "True", "4.0"], done.stderr
 
 
+@pytest.mark.slow
 def test_too_many_sessions_fall_back_to_the_wire(tmp_path, start_daemon):
     proc = start_daemon("--listen", f"unix:{tmp_path}/s.sock", "--virtual-devices", "2", "--workers", "4")
     code = f"""

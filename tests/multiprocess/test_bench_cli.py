@@ -64,6 +64,7 @@ def check_rows(rows: list[dict[str, str]], dtype: str, factor: float, echo: bool
         assert r["#wrong"] in ("0", "-")
 
 
+@pytest.mark.slow
 def test_two_processes_print_the_table_the_ratios_and_json(daemon, tmp_path):
     # the default transport, auto: shared memory here, where the daemon shares the host
     out = bench("--address", daemon.address, "--processes", "2", "--echo", "--json", str(tmp_path / "out.json"),
@@ -115,6 +116,7 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path):
     assert "--plot needs matplotlib (pip install 'xreduce[bench]')" in result.stderr
 
 
+@pytest.mark.slow
 def test_one_process_odd_device_count_and_a_missing_peer():
     # three devices in one process: busbw = algbw x 2(n-1)/n = 4/3; mpirun is not on this PATH
     out = bench("--embedded", "--devices", "3", "--transport", "wire", "--peers", "mpi", *TINY,
@@ -138,6 +140,7 @@ def test_gloo_peer_runs_the_same_sizes(daemon):
     assert [int(line.split()[0]) for line in found["ratios"][2:]] == SIZES
 
 
+@pytest.mark.slow
 def test_bad_arguments_name_the_values(daemon):
     result = bench("--address", daemon.address, "--processes", "3", "--devices", "3", *TINY, check=False)
     assert result.returncode == 2

@@ -211,6 +211,7 @@ def matrix(daemon8):
 
 
 @pytest.mark.parametrize("count", [2, 4], ids=lambda c: f"P{c}")
+@pytest.mark.slow
 def test_list_devices_is_global_and_identical_in_every_process(matrix, count):
     events = matrix(count)
     block = 8 // count
@@ -256,6 +257,7 @@ OVERRIDES = {
 
 
 @pytest.mark.parametrize("name", list(OVERRIDES))
+@pytest.mark.slow
 def test_local_devices_override_orders_devices_by_process(daemon8, name):
     overrides = OVERRIDES[name]
     count = len(overrides)
@@ -278,6 +280,7 @@ def test_local_devices_override_orders_devices_by_process(daemon8, name):
 
 @pytest.mark.parametrize("overrides", [["CPU:0,CPU:1", "CPU:1,CPU:2"], ["CPU:0", "CPU:1", "CPU:3", "CPU:3,CPU:4"]],
                          ids=["P2-share-CPU1", "P4-share-CPU3"])
+@pytest.mark.slow
 def test_overlapping_local_devices_fail_in_every_process(daemon8, overrides):
     count = len(overrides)
     group = new_group("overlap")
@@ -291,6 +294,7 @@ def test_overlapping_local_devices_fail_in_every_process(daemon8, overrides):
     assert_serving(daemon8)
 
 
+@pytest.mark.slow
 def test_two_groups_at_once_on_disjoint_devices_do_not_interfere(daemon8):
     """Group a (2 processes on CPU:0-3) and group b (4 processes, one each on CPU:4-7) run the same
     sequence numbers at the same time, with different data."""
@@ -363,12 +367,14 @@ def _check_strategy(events, i: int, op: str) -> None:
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.slow
 def test_mirrored_strategy_one_process_per_device(strategy_job, op):
     """Values from experimental_distribute_values_from_function reduce across all 4 processes."""
     _check_strategy(strategy_job, 1 if op == "sum" else 2, op)
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.slow
 def test_mirrored_strategy_run_then_reduce_one_process_per_device(strategy_job, op):
     """run() with one local device returns a plain array; reduce() still reduces across the processes."""
     _check_strategy(strategy_job, 3 if op == "sum" else 4, op)
@@ -401,6 +407,7 @@ def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8,
 
 @pytest.mark.parametrize("count", [2, 4], ids=lambda c: f"P{c}")
 @pytest.mark.parametrize("how", ["options-timeout", "daemon-collective-timeout"])
+@pytest.mark.slow
 def test_timeout_names_the_missing_process_then_the_next_collective_works(daemon8, daemon_short, how, count):
     d = daemon8 if how == "options-timeout" else daemon_short
     group = new_group("timeout")
@@ -474,6 +481,7 @@ def _kill_mid_collective(d: DaemonProcess, count: int, group: str, victim: int, 
 
 
 @pytest.mark.parametrize("count", [2, 3, 4], ids=lambda c: f"P{c}")
+@pytest.mark.slow
 def test_sigkill_mid_collective_aborts_the_others_then_a_restarted_job_works(daemon8, count):
     """The victim (process 1) is killed while the others wait in collective 1 and one process (the
     late one) has not arrived. Then, realistically: the late one arrives (same error), the survivors'
@@ -537,6 +545,7 @@ def test_rejoining_the_same_group_after_a_failure_starts_afresh(daemon8):
     check_against_reference(daemon8.address, [ok(ev[4]) for ev in events], scripts[0][4], ALL8)
 
 
+@pytest.mark.slow
 def test_a_call_that_ends_as_it_reaches_the_rendezvous_aborts_the_collective(daemon8):
     """Process 0's raw Reduce is cancelled right after it is sent (a process killed as its request lands);
     process 1's share, sent next, must not complete the collective: ABORTED (the call ended) or
@@ -586,6 +595,7 @@ def _rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.slow
 def test_failed_collectives_do_not_pin_their_tensors(daemon8):
     """A leak would grow the daemon by about twice the tensor per failed collective, batch after batch;
     the allocator's warm-up grows it once. So the second batch of 40 must add (almost) nothing."""

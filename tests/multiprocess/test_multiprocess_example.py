@@ -53,6 +53,7 @@ def embedded_runs() -> dict[int, tuple[subprocess.CompletedProcess, list[tuple[s
 
 
 @pytest.mark.parametrize("processes", [4, 2])
+@pytest.mark.slow
 def test_embedded_job_agrees_every_step(embedded_runs, processes):
     result, _ = embedded_runs[processes]
     lines = result.stdout.splitlines()
@@ -64,11 +65,13 @@ def test_embedded_job_agrees_every_step(embedded_runs, processes):
                                 f"at all {STEPS} steps")
 
 
+@pytest.mark.slow
 def test_process_layout_does_not_change_the_numbers(embedded_runs):
     # Shards follow the global replica id, and the daemon reduces over the same 8 devices.
     assert embedded_runs[4][1] == embedded_runs[2][1]
 
 
+@pytest.mark.slow
 def test_workers_started_by_hand_against_a_running_daemon(daemon, embedded_runs):
     """Worker mode from KERAS_DISTRIBUTION_* alone, against a separately started xreduced."""
     env = {**os.environ, "XREDUCE_ADDRESS": daemon.address, "XREDUCE_GROUP": f"by-hand-{os.getpid()}",
@@ -89,6 +92,7 @@ def test_workers_started_by_hand_against_a_running_daemon(daemon, embedded_runs)
     assert assert_one_job(runs, 2) == embedded_runs[2][1]
 
 
+@pytest.mark.slow
 def test_launcher_uses_xreduce_address(daemon):
     result = run_example("--processes", "2", "--steps", str(STEPS), env={"XREDUCE_ADDRESS": daemon.address})
     assert result.returncode == 0, result.stdout + result.stderr
@@ -96,6 +100,7 @@ def test_launcher_uses_xreduce_address(daemon):
     assert_one_job(per_process(result.stdout), 2)
 
 
+@pytest.mark.slow
 def test_launcher_fails_when_a_worker_fails():
     result = run_example("--processes", "2", "--steps", "1", "--timeout", "60",
                          env={"XREDUCE_ADDRESS": "unix:/nonexistent/xreduced.sock"})
@@ -104,6 +109,7 @@ def test_launcher_fails_when_a_worker_fails():
     assert result.stdout.splitlines()[-1].startswith("FAIL: p")
 
 
+@pytest.mark.slow
 def test_one_device_per_process():
     result = run_example("--embedded", "--processes", "8", "--steps", str(STEPS))
     assert result.returncode == 0, result.stdout
