@@ -2,10 +2,10 @@
 # The device-machine check of the CuPy backend, in one unattended run:
 #   1. find a Python that imports cupy (else make a fresh venv and pip install -e '.[gpu,dev]'),
 #   2. print the GPUs (nvidia-smi -L) and the versions in use,
-#   3. pytest -q -m gpu tests/test_cupy_backend.py   (at most 150 s)
-#   4. pytest -q -m gpu tests/test_cuda_ipc.py (at most 90 s), then tests/test_sdk_cuda_ipc.py (150 s)
-#      (both with --noconftest: the modules need none of conftest's fixtures, and so a
-#      grpcio/protobuf too old for the stubs fails only the tests that use the stubs),
+#   3. pytest -q -m gpu tests/gpu/test_cupy_backend.py   (at most 150 s)
+#   4. pytest -q -m gpu tests/gpu/test_cuda_ipc.py (at most 90 s), then tests/gpu/test_sdk_cuda_ipc.py (150 s)
+#      (conftest imports the stubs only for the fixtures that use them, so a grpcio/protobuf
+#      too old for the stubs fails only the tests that use the stubs),
 #   5. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
 #      device-to-device copy; CUDA IPC from 2 processes through the daemon against in-process
 #      (at most 120 s),
@@ -37,8 +37,8 @@ left() { echo $((BUDGET_S - (SECONDS - START))); }
 min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 
 export PYTHONUNBUFFERED=1
-# The packages live in client/ and server/: importable from the checkout without installing.
-export PYTHONPATH="$PWD/client:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
+# The packages live in client/, server/ and bench/: importable from the checkout without installing.
+export PYTHONPATH="$PWD/client:$PWD/server:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 
 say "repo: $PWD; budget ${BUDGET_S}s; logs in $LOGS"
 
@@ -120,7 +120,7 @@ run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
         return
     fi
     say "pytest -q -m gpu $file (timeout ${t}s)"
-    timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider --noconftest \
+    timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         --junitxml "$LOGS/junit_$name.xml" "$file" >"$LOGS/pytest_$name.log" 2>&1 || rc=$?
     # The summary (failures, skip reasons, counts) is at the end; keep the output bounded.
     tail -n 60 "$LOGS/pytest_$name.log"
@@ -139,9 +139,9 @@ run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
 rc_backend=0
 rc_ipc=0
 rc_sdkipc=0
-run_tests backend tests/test_cupy_backend.py 150 250
-run_tests ipc tests/test_cuda_ipc.py 90 190
-run_tests sdkipc tests/test_sdk_cuda_ipc.py 150 70
+run_tests backend tests/gpu/test_cupy_backend.py 150 250
+run_tests ipc tests/gpu/test_cuda_ipc.py 90 190
+run_tests sdkipc tests/gpu/test_sdk_cuda_ipc.py 150 70
 
 # --- 5. the benchmark ------------------------------------------------------------
 t_bench=$(step_timeout 120 0)

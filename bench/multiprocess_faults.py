@@ -3,7 +3,7 @@
 Starts ``xreduced`` (numpy backend, 8 host devices, DEBUG log so that every
 call's arrival is visible), then:
 
-(a) ``--trials`` times: 3 real worker processes (``tests/mp_worker.py``) join a
+(a) ``--trials`` times: 3 real worker processes (``xreduce_bench.mp_worker``) join a
     group and run collective 0; then one of them (the victim, rotating) and one
     other enter collective 1 while the third has not arrived, and the victim is
     SIGKILLed. Measured: SIGKILL -> AbortedError at the waiting survivor. Then
@@ -44,20 +44,16 @@ import concurrent.futures
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-import grpc  # noqa: E402
-import mp_worker  # noqa: E402
-import numpy as np  # noqa: E402
-from daemon import DaemonProcess  # noqa: E402
-from google.protobuf import duration_pb2  # noqa: E402
-from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica  # noqa: E402
-from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
-from xreduce.v1 import xreduce_pb2_grpc as pb_grpc  # noqa: E402
-from xreduce.wire import codec  # noqa: E402
+import grpc
+import numpy as np
+from google.protobuf import duration_pb2
+from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
+from xreduce_bench import mp_worker
+from xreduce_bench.daemon import DaemonProcess
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}".format
 

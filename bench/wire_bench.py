@@ -42,24 +42,17 @@ import sys
 import tempfile
 import time
 from concurrent import futures
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-for _sub in ("server", "client"):  # runnable from a checkout without installing
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
-
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from daemon import DaemonProcess  # noqa: E402
-from xreduce import _client  # noqa: E402
-from xreduce._cli import parse_bytes  # noqa: E402
-from xreduce._client import Client  # noqa: E402
-from xreduce._streaming import stream_batch_reduce  # noqa: E402
-from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
-from xreduce.wire import codec  # noqa: E402
-from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, streamed_tensor  # noqa: E402
+import grpc
+import numpy as np
+from xreduce import _client
+from xreduce._client import Client
+from xreduce._streaming import stream_batch_reduce
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, streamed_tensor
+from xreduce_bench.daemon import DaemonProcess
+from xreduce_bench.sweep import parse_bytes
 
 REPLICAS = 8
 """Replicas of the payload (and the daemons' host devices); ``--replicas`` changes it."""

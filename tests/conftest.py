@@ -1,19 +1,17 @@
-"""Shared fixtures: a real daemon subprocess and channels to it."""
+"""Shared fixtures: real daemon subprocesses and channels to them."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from daemon import DaemonProcess
-from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from daemons import Daemons
 
 
 @pytest.fixture(scope="session")
 def daemon():
     """One real ``xreduced`` (8 host virtual devices) on a free loopback port."""
-    proc = DaemonProcess(["--listen", "127.0.0.1:0", "--backend", "numpy"])
-    yield proc
-    proc.terminate()
+    with Daemons() as start:
+        yield start("--listen", "127.0.0.1:0", "--backend", "numpy")
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +25,22 @@ def channel(daemon):
 @pytest.fixture(scope="session")
 def stub(channel):
     """A raw ``CrossDeviceOps`` stub on the session daemon."""
+    # Imported here, so that a grpcio or protobuf too old for the stubs fails only the tests that use them.
+    from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+
     return pb_grpc.CrossDeviceOpsStub(channel)
+
+
+@pytest.fixture
+def start_daemon():
+    """``start_daemon(*flags, env=None, timeout=30.0)`` starts a private ``xreduced`` with exactly
+    ``flags``; every daemon it started and that still runs is stopped (SIGTERM) after the test."""
+    with Daemons() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_module_daemon():
+    """:func:`start_daemon` for module-scoped fixtures: its daemons are stopped after the module."""
+    with Daemons() as start:
+        yield start

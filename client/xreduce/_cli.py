@@ -9,29 +9,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from collections.abc import Sequence
 
-from xreduce import _bench
 from xreduce.wire.contract import DEFAULT_ADDRESS, METHOD_PREFIX
-
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``.
-
-    Example:
-        >>> parse_bytes("1MiB"), parse_bytes("4KiB")
-        (1048576, 4096)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _plan(argv: Sequence[str]) -> int:
@@ -147,6 +129,18 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    try:
+        from xreduce_bench import command
+    except ModuleNotFoundError as e:
+        if e.name != "xreduce_bench":
+            raise
+        print("xreduce bench: the xreduce_bench package is not installed (pip install 'xreduce[bench]')",
+              file=sys.stderr)
+        return 2
+    return command.main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``xreduce`` command.
 
@@ -171,17 +165,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")
     status.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
-    bench = sub.add_parser(
-        "bench", help="sweep a collective over sizes, nccl-tests style, against gloo and MPI",
-        description="Sweeps a collective of the daemon over sizes with P worker processes of D devices each and "
-        "prints nccl-tests-style rows: size, count, type, redop, time (median over iterations of the slowest "
-        "process), algbw = size / time and busbw = algbw x 2(n-1)/n for all_reduce (x 1 for reduce and "
-        "broadcast), n = P x D. --peers runs torch.distributed gloo and mpi4py under mpirun on the same sizes "
-        "with n ranks, --echo a raw grpcio unary echo on the daemon's transport, and prints time ratios.")
-    _bench.add_arguments(bench, parse_bytes)
-    args = p.parse_args(argv)
+    # `xreduce bench` lives in the xreduce_bench package: its options are parsed there, and the SDK
+    # imports it only when the command runs.
+    sub.add_parser("bench", add_help=False,
+                   help="sweep a collective over sizes, nccl-tests style, against gloo and MPI")
+    args, rest = p.parse_known_args(argv)
     if args.command == "bench":
-        return _bench.run(bench, args)
+        return _bench(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.timeout > 0:
         p.error(f"--timeout must be positive; got {args.timeout}")
     return _status(args)

@@ -1,0 +1,21 @@
+"""xreduce_bench: the tools that measure and stress xreduce, apart from the SDK.
+
+``import xreduce`` never loads this package. Nothing is imported here: each
+tool is its own module.
+
+- ``command`` runs ``xreduce bench`` (the SDK's command hands its arguments
+  over), with ``sweep``, ``oracle``, ``table``, ``workers`` and ``peers``,
+  through the SDK's public API only;
+- ``daemon`` runs a real ``xreduced`` in a subprocess, for the scripts in
+  ``bench/`` and for the tests;
+- ``mp_worker`` is one scripted process of a multi-process job
+  (``bench/multiprocess_faults.py`` and the multi-process tests);
+- ``fuzzing`` generates malformed requests (``bench/fuzz.py`` and the fuzz tests);
+- ``load`` runs concurrent clients whose every answer is checked
+  (``bench/load.py`` and the load tests).
+
+Example:
+    >>> from xreduce_bench.sweep import human_size
+    >>> human_size(64 << 20)
+    '64 MiB'
+"""

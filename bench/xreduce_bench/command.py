@@ -1,0 +1,357 @@
+"""``xreduce bench``: nccl-tests-style sweeps of the daemon's collectives, with peers in the same run.
+
+For every size from ``--min-bytes`` to ``--max-bytes`` (times ``--step-factor``),
+``--processes`` worker processes, each driving ``--devices`` devices, run one
+collective through the SDK as a training job does
+(``HierarchicalCopyAllReduce().batch_reduce``/``reduce``/``broadcast`` on
+``PerReplica`` values, after ``xreduce.distribution.initialize`` when there are
+several processes). Every iteration starts at a barrier of all the workers; an
+iteration's time is its slowest worker's, and a row reports the median over
+``--iters`` iterations after ``--warmup``. ``--peers`` runs the same sweep with
+torch.distributed's gloo backend and with mpi4py under Open MPI's ``mpirun``
+(shared memory), ``--echo`` with a raw grpcio unary echo on the daemon's
+transport, all timed the same way, and prints the ratios.
+
+The workers run in fresh interpreters (multiprocessing's ``spawn``; ``mpirun``
+for MPI), so nothing of this process leaks into what is measured.
+
+This module parses the options, starts the daemon with ``--embedded``, runs
+each system in turn and judges the targets; ``sweep`` holds what a run
+measures, ``oracle`` the answers results are checked against, ``table`` what
+it prints, ``workers`` the worker processes and the xreduce workers, ``peers``
+gloo, MPI and the echo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
+
+import xreduce
+
+from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
+from xreduce_bench.sweep import (
+    OPS,
+    PEERS,
+    TRANSPORTS,
+    BenchError,
+    Sweep,
+    SystemResult,
+    human_size,
+    numpy_dtype,
+    parse_bytes,
+    size_ladder,
+)
+from xreduce_bench.table import Progress, _Reporter, format_ratios, plot, ratios, to_json
+from xreduce_bench.workers import _popen, _run_xreduce, _stop
+
+DESCRIPTION = (
+    "Sweeps a collective of the daemon over sizes with P worker processes of D devices each and prints "
+    "nccl-tests-style rows: size, count, type, redop, time (median over iterations of the slowest process), "
+    "algbw = size / time and busbw = algbw x 2(n-1)/n for all_reduce (x 1 for reduce and broadcast), n = P x D. "
+    "--peers runs torch.distributed gloo and mpi4py under mpirun on the same sizes with n ranks, --echo a raw "
+    "grpcio unary echo on the daemon's transport, and prints time ratios.")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "xreduce bench") -> int:
+    """Parses ``argv`` (default: this process's arguments) as ``xreduce bench``'s and runs it.
+
+    Returns the exit status (see :func:`run`); bad arguments exit with status 2.
+
+    Example:
+        >>> main(["--embedded", "--peers", "nccl"])
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+    """
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(p)
+    return run(p, p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the options of ``xreduce bench`` to ``p``.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> add_arguments(p)
+        >>> args = p.parse_args(["--processes", "4", "--peers", "--max-bytes", "64MiB"])
+        >>> args.processes, args.peers, args.transport, args.max_bytes == 64 << 20
+        (4, 'gloo,mpi', 'auto', True)
+    """
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--address", default=None,
+                       help="the daemon (host:port or unix:PATH; default XREDUCE_ADDRESS, else 127.0.0.1:50551)")
+    where.add_argument("--embedded", action="store_true",
+                       help="start a daemon (python -m xreduced on a private unix socket) for this run")
+    p.add_argument("--op", choices=OPS, default="all_reduce",
+                   help="all_reduce (default), reduce (to the first device of process 0; every process names it "
+                   "as the destination) or broadcast (from that device)")
+    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--reduce-op", choices=("sum", "mean"), default="sum", help="default sum")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4, help="smallest size per device (default 4)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=256 << 20,
+                   help="largest size per device (default 256MiB)")
+    p.add_argument("--step-factor", type=int, default=2, help="each size is the last times this (default 2)")
+    p.add_argument("--processes", type=int, default=1, help="xreduce worker processes (default 1)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices per process (default 1 with several processes, else all the daemon's)")
+    p.add_argument("--transport", default="auto",
+                   help="xreduce transports to run one after the other, comma-separated: wire, shm, auto (default "
+                   "auto: shared memory when the daemon shares this host, else the wire)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations before them (default 2)")
+    p.add_argument("--peers", nargs="?", const="gloo,mpi", default=None,
+                   help="also run peers on the same sizes with processes x devices ranks: gloo, mpi "
+                   "(default both)")
+    p.add_argument("--echo", action="store_true",
+                   help="also time a raw grpcio unary echo of the same bytes on the daemon's transport")
+    p.add_argument("--plot", metavar="FILE.png", help="draw time and bandwidth against size (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no tty")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any one wait may last: a worker's start, one size (default 300)")
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    if args.dtype not in xreduce.SUPPORTED_DTYPES:
+        p.error(f"--dtype: {args.dtype!r} is not one the wire carries; supported: "
+                f"{', '.join(xreduce.SUPPORTED_DTYPES)}")
+    for name, low in (("processes", 1), ("iters", 1), ("warmup", 0), ("step_factor", 2)):
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
+    if args.devices is not None and args.devices < 1:
+        p.error(f"--devices must be >= 1; got {args.devices}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive; got {args.timeout}")
+    if not 1 <= args.min_bytes <= args.max_bytes:
+        p.error(f"need 1 <= --min-bytes <= --max-bytes; got {args.min_bytes} and {args.max_bytes}")
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports or len(set(transports)) != len(transports):
+        p.error(f"--transport: a comma-separated list of {', '.join(TRANSPORTS)} without repeats; "
+                f"got {args.transport!r}")
+    peers = [x.strip() for x in (args.peers or "").split(",") if x.strip()]
+    bad = [x for x in peers if x not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown peer(s) {', '.join(bad)}; peers: {', '.join(PEERS)}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error(f"--plot needs matplotlib ({_BENCH_EXTRA})")
+    return transports, peers
+
+
+def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Runs ``xreduce bench`` with parsed ``args``; returns the exit status.
+
+    0 when every xreduce transport ran (missing peers are skipped with the
+    reason), 1 when one failed or the daemon cannot be reached, 2 for bad
+    arguments (through ``p.error``), 130 when interrupted.
+
+    Example (shell):
+        $ xreduce bench --embedded --processes 4 --max-bytes 64MiB --transport shm,wire --peers --plot bw.png
+    """
+    out = out or sys.stdout
+    transports, peers = _validate(p, args)
+    if args.embedded:  # before starting a daemon for nothing
+        _need_two_devices(p, args.processes, args.devices or 8)
+    try:
+        with tempfile.TemporaryDirectory(prefix="xreduce-bench-") as tmp:
+            os.chmod(tmp, 0o700)
+            with contextlib.ExitStack() as stack:
+                if args.embedded:
+                    devices = args.devices or (1 if args.processes > 1 else 8)
+                    address = stack.enter_context(_daemon(tmp, args.processes * devices, args.timeout))
+                    names, backend = _device_names(address, args.timeout)
+                    where = f"{address} (started for this run: {len(names)} devices, {backend} backend)"
+                else:
+                    address = xreduce.resolve_address(args.address)
+                    try:
+                        names, backend = _device_names(address, args.timeout)
+                    except Exception as e:  # noqa: BLE001 -- any failure to reach it is the same message
+                        raise BenchError(f"cannot list the devices of the daemon at {address}: {e}") from None
+                    devices = args.devices or (1 if args.processes > 1 else len(names))
+                    where = f"{address} ({len(names)} devices, {backend} backend)"
+                sweep = _sweep(p, args, devices, address, len(names))
+                return _run_all(sweep, address, where, names, transports, peers, args, tmp, out)
+    except BenchError as e:
+        print(f"xreduce bench: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("xreduce bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int, address: str, available: int
+           ) -> Sweep:
+    if args.processes * devices > available:
+        p.error(f"--processes {args.processes} x --devices {devices} needs {args.processes * devices} devices; "
+                f"the daemon at {address} has {available}")
+    _need_two_devices(p, args.processes, devices)
+    itemsize = numpy_dtype(args.dtype).itemsize
+    sizes = size_ladder(args.min_bytes, args.max_bytes, args.step_factor, itemsize)
+    if not sizes:
+        p.error(f"no size from --min-bytes {args.min_bytes} to --max-bytes {args.max_bytes} holds one "
+                f"{args.dtype} ({itemsize} bytes)")
+    return Sweep(args.op, args.dtype, args.reduce_op, sizes, args.processes, devices, args.iters, args.warmup,
+                 args.timeout)
+
+
+def _need_two_devices(p: argparse.ArgumentParser, processes: int, devices: int) -> None:
+    if processes * devices < 2:
+        p.error(f"a collective needs 2 devices or more in all; got --processes {processes} --devices {devices} "
+                "(with one device the SDK returns the value without calling the daemon)")
+
+
+def _run_all(sweep: Sweep, address: str, where: str, names: list[str], transports: list[str], peers: list[str],
+             args: argparse.Namespace, tmp: str, out: TextIO) -> int:
+    systems = [SystemResult(f"xreduce {t}", f"{sweep.processes} process(es) x {sweep.devices} device(s), "
+                            f"XREDUCE_TRANSPORT={t}") for t in transports]
+    systems += [SystemResult(peer, "") for peer in peers]
+    if args.echo:
+        systems.append(SystemResult("echo", ""))
+    for s in systems:
+        if s.name == "xreduce shm" and not hasattr(xreduce, "shared_array"):
+            s.skipped = "shm transport not available in this SDK (xreduce.shared_array is missing)"
+        elif not s.is_xreduce and s.name != "echo":
+            s.skipped = peer_unavailable(s.name, sweep.dtype)
+    runnable = sum(1 for s in systems if s.skipped is None)
+    progress = Progress(runnable * len(sweep.sizes), sys.stderr, args.progress or sys.stderr.isatty())
+    reporter = _Reporter(sweep, progress, out)
+    redop = f", {sweep.reduce_op}" if sweep.op != "broadcast" else ""
+    reporter.line(f"# xreduce bench: {sweep.op}, {sweep.dtype}{redop}, {sweep.processes} process(es) x "
+                  f"{sweep.devices} device(s): n = {sweep.ranks} ranks; {human_size(sweep.sizes[0])} to "
+                  f"{human_size(sweep.sizes[-1])}; {sweep.iters} iterations after {sweep.warmup} warm-up")
+    reporter.line(f"# daemon: {where}")
+    reporter.line(f"# time: median over iterations of the slowest process, each iteration started at a barrier; "
+                  f"algbw = size / time; busbw = algbw x {_factor_text(sweep)}")
+    if peers and sweep.reduce_op == "mean":
+        reporter.line("# peers compute mean as a sum, then divide floating-point results by n")
+    failed = False
+    for s in systems:
+        if s.skipped is not None:
+            reporter.line(f"\n# {s.name}: skipped: {s.skipped}")
+            continue
+        progress.show(f"{s.name}: starting")
+        try:
+            if s.is_xreduce:
+                _run_xreduce(s, sweep, address, names, reporter)
+            else:
+                _run_peer(s, sweep, address, reporter, tmp)
+        except BenchError as e:
+            s.failed = str(e)
+            failed = failed or s.is_xreduce
+            reporter.line(f"# {s.name}: FAILED: {e}")
+            progress.done += len(sweep.sizes) - len(s.rows)
+    progress.clear()
+    ratio_rows = ratios(systems, sweep)
+    if ratio_rows:
+        print("\n# ratios: time of xreduce / time of the peer (< 1: xreduce is faster)", file=out)
+        for line in format_ratios(ratio_rows):
+            print(line, file=out)
+    checks = targets(systems, sweep)
+    if checks:
+        print("\n# targets (medians from this run)", file=out)
+        for c in checks:
+            print(c["text"], file=out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(systems, sweep, where, ratio_rows, checks), f, indent=1)
+    if args.plot:
+        plot(systems, sweep, args.plot)
+        print(f"\n# plot: {args.plot}", file=out)
+    return 1 if failed else 0
+
+
+def _factor_text(sweep: Sweep) -> str:
+    if sweep.op == "all_reduce":
+        return f"2(n-1)/n = {sweep.bus_factor:.4g}"
+    return "1"
+
+
+def targets(results: Sequence[SystemResult], sweep: Sweep) -> list[dict[str, Any]]:
+    """The issue's targets that this run measured, each with its ratio and verdict.
+
+    - 4 processes x 64 MiB float32 all-reduce through shared memory: <= 0.8x
+      Open MPI (shared memory) and <= 0.5x gloo;
+    - a 4-byte all-reduce across 2 processes: <= 1.2x a raw gRPC unary echo
+      over the same transport.
+
+    The first is checked for the ``shm`` and ``auto`` transports, the second
+    for every transport (the echo runs over the daemon's own socket).
+
+    Example:
+        >>> from xreduce_bench.sweep import Row
+        >>> s = Sweep("all_reduce", "float32", "sum", (4,), processes=2, devices=1, iters=1, warmup=0)
+        >>> x = SystemResult("xreduce wire", "", [Row(4, 1, [0.0003])])
+        >>> e = SystemResult("echo", "", [Row(4, 1, [0.0002])])
+        >>> print(targets([x, e], s)[0]["text"])  # doctest: +NORMALIZE_WHITESPACE
+        2 processes x 4 B float32 all-reduce, wire: xreduce 300.0 us, gRPC echo 200.0 us,
+        ratio 1.50 (target <= 1.2): not met
+    """
+    by_name = {r.short: r for r in results if r.rows}
+    checks = []
+
+    def check(x: SystemResult, peer: str, label: str, size: int, bound: float, what: str, unit: str) -> None:
+        a, b = x.row(size), by_name[peer].row(size) if peer in by_name else None
+        if a is None or b is None:
+            return
+        scale, digits = (1e6, 1) if unit == "us" else (1.0, 3)
+        ratio = a.time / b.time
+        verdict = "met" if ratio <= bound else "not met"
+        text = (f"{what}, {x.short}: xreduce {a.time * scale:.{digits}f} {unit}, {label} "
+                f"{b.time * scale:.{digits}f} {unit}, ratio {ratio:.2f} (target <= {bound:g}): {verdict}")
+        checks.append({"what": what, "transport": x.short, "peer": peer, "size": size, "xreduce_s": a.time,
+                       "peer_s": b.time, "ratio": ratio, "bound": bound, "met": ratio <= bound, "text": text})
+
+    ours = sorted((r for r in results if r.is_xreduce and r.rows), key=lambda r: r.short != "shm")
+    if sweep.op != "all_reduce" or sweep.devices != 1:
+        return checks
+    for x in ours:
+        if sweep.processes == 4 and sweep.dtype == "float32" and x.short != "wire":
+            what = "4 processes x 64 MiB float32 all-reduce"
+            check(x, "mpi", "Open MPI", 64 << 20, 0.8, what, "s")
+            check(x, "gloo", "gloo", 64 << 20, 0.5, what, "s")
+        if sweep.processes == 2:
+            check(x, "echo", "gRPC echo", 4, 1.2, f"2 processes x 4 B {sweep.dtype} all-reduce", "us")
+    return checks
+
+
+@contextlib.contextmanager
+def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[str]:
+    """``python -m xreduced`` on a unix socket with ``devices`` devices, for this run."""
+    log_path = os.path.join(tmp, "xreduced.log")
+    with open(log_path, "w") as log:
+        proc = _popen([sys.executable, "-m", "xreduced", "--listen", f"unix:{tmp}/xreduced.sock",
+                       "--virtual-devices", str(devices)], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        address = None
+        while address is None:
+            with open(log_path) as f:
+                m = re.search(r"event=serving address=(\S+)", f.read())
+            address = m and m.group(1)
+            if address is None and (proc.poll() is not None or time.monotonic() > deadline):
+                with open(log_path) as f:
+                    raise BenchError(f"the daemon did not start:\n{f.read()}")
+            time.sleep(0.05)
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _stop(proc, 30)
+
+
+def _device_names(address: str, timeout: float) -> tuple[list[str], str]:
+    with xreduce.Client(address, timeout=timeout) as client:
+        reply = client.list_devices()
+    return [xreduce.DeviceName.parse(d.name).short for d in reply.devices], reply.backend

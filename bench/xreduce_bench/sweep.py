@@ -1,0 +1,239 @@
+"""What ``xreduce bench`` measures: the sweep, its sizes, and the rows each system fills.
+
+The other modules of this package build on these; the :class:`Sweep` travels
+to every worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import statistics
+from typing import Any
+
+import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, for numpy_dtype
+import numpy as np
+import xreduce
+
+OPS = ("all_reduce", "reduce", "broadcast")
+TRANSPORTS = ("wire", "shm", "auto")
+PEERS = ("gloo", "mpi")
+
+
+class BenchError(RuntimeError):
+    """A system of the benchmark could not run; the message says why.
+
+    Example:
+        >>> str(BenchError("process 1 exited with status 1"))
+        'process 1 exited with status 1'
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """What every system of one run measures; it travels to the workers.
+
+    Attributes:
+        op: ``all_reduce``, ``reduce`` (to the first device of process 0) or
+            ``broadcast`` (from it).
+        dtype: element type name, e.g. ``float32``.
+        reduce_op: ``sum`` or ``mean``.
+        sizes: bytes per device, one row each.
+        processes: xreduce worker processes.
+        devices: devices per xreduce worker process.
+        iters: timed iterations per size.
+        warmup: untimed iterations per size before them.
+        timeout: seconds any one wait may last.
+
+    Example:
+        >>> s = Sweep("all_reduce", "float32", "sum", (4, 8), processes=2, devices=2, iters=3, warmup=1)
+        >>> s.ranks, s.bus_factor, s.count(8)
+        (4, 1.5, 2)
+    """
+
+    op: str
+    dtype: str
+    reduce_op: str
+    sizes: tuple[int, ...]
+    processes: int
+    devices: int
+    iters: int
+    warmup: int
+    timeout: float = 300.0
+
+    @property
+    def ranks(self) -> int:
+        """n: devices across all processes (gloo and MPI run one process per rank)."""
+        return self.processes * self.devices
+
+    @property
+    def bus_factor(self) -> float:
+        """busbw / algbw for this op over :attr:`ranks` (see :func:`bus_factor`)."""
+        return bus_factor(self.op, self.ranks)
+
+    def count(self, size: int) -> int:
+        """Elements per device for ``size`` bytes."""
+        return size // numpy_dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON holds them (``sizes`` a list); :meth:`from_dict` reads them back.
+
+        Example:
+            >>> s = Sweep("reduce", "float32", "mean", (4, 8), processes=2, devices=1, iters=3, warmup=1)
+            >>> s.to_dict()["sizes"], Sweep.from_dict(s.to_dict()) == s
+            ([4, 8], True)
+        """
+        return {**dataclasses.asdict(self), "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> Sweep:
+        """The sweep whose :meth:`to_dict` is ``fields``."""
+        return cls(**{**fields, "sizes": tuple(fields["sizes"])})
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    """The bus bandwidth factor of nccl-tests: busbw = algbw x this.
+
+    ``2(n-1)/n`` for all-reduce (what each rank must send and receive in an
+    optimal ring), 1 for reduce and broadcast.
+
+    Example:
+        >>> bus_factor("all_reduce", 4), bus_factor("all_reduce", 2), bus_factor("broadcast", 8)
+        (1.5, 1.0, 1.0)
+    """
+    if op == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if op in ("reduce", "broadcast"):
+        return 1.0
+    raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+
+
+def size_ladder(min_bytes: int, max_bytes: int, step_factor: int, itemsize: int) -> tuple[int, ...]:
+    """The sizes of a sweep: ``min_bytes`` times ``step_factor`` while at most
+    ``max_bytes``, each rounded down to whole elements (sizes under one element
+    are dropped).
+
+    Example:
+        >>> size_ladder(4, 64, 2, 4)
+        (4, 8, 16, 32, 64)
+        >>> size_ladder(4, 100, 4, 8)
+        (16, 64)
+    """
+    if min_bytes < 1 or max_bytes < min_bytes or step_factor < 2 or itemsize < 1:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and step_factor >= 2; got min_bytes={min_bytes}, "
+                         f"max_bytes={max_bytes}, step_factor={step_factor}")
+    sizes: list[int] = []
+    size = min_bytes
+    while size <= max_bytes:
+        whole = size // itemsize * itemsize
+        if whole and whole not in sizes:
+            sizes.append(whole)
+        size *= step_factor
+    return tuple(sizes)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a name the wire carries (``bfloat16`` through ml_dtypes).
+
+    Example:
+        >>> numpy_dtype("bfloat16").name, numpy_dtype("float32").itemsize
+        ('bfloat16', 4)
+    """
+    if name not in xreduce.SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(xreduce.SUPPORTED_DTYPES)}; got {name!r}")
+    return np.dtype(name)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``, as the ``xreduce`` command reads sizes.
+
+    Example:
+        >>> parse_bytes("1MiB"), parse_bytes("4KiB"), parse_bytes("2 GB")
+        (1048576, 4096, 2000000000)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def human_size(n: int) -> str:
+    """A size as nccl-tests' readers write it.
+
+    Example:
+        >>> human_size(4), human_size(4096), human_size(64 << 20), human_size(1536)
+        ('4 B', '4 KiB', '64 MiB', '1536 B')
+    """
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+@dataclasses.dataclass
+class Row:
+    """One size of one system: the median over iterations of the slowest worker.
+
+    Example:
+        >>> r = Row(size=1 << 20, count=262144, times=[0.002, 0.001, 0.003], wrong=0)
+        >>> r.time, round(r.algbw, 3), round(r.busbw(1.5), 3)
+        (0.002, 0.524, 0.786)
+    """
+
+    size: int
+    count: int
+    times: list[float]
+    """Per timed iteration, the slowest worker's seconds."""
+    wrong: int | None = None
+    """Result elements that differ from the exactly known answer (None: not checked)."""
+
+    @property
+    def time(self) -> float:
+        """Median seconds over the iterations."""
+        return statistics.median(self.times)
+
+    @property
+    def algbw(self) -> float:
+        """size / time, in GB/s (1e9 bytes)."""
+        return self.size / self.time / 1e9
+
+    def busbw(self, factor: float) -> float:
+        """algbw x the op's bus factor, in GB/s."""
+        return self.algbw * factor
+
+
+@dataclasses.dataclass
+class SystemResult:
+    """What one system measured, or why it did not run.
+
+    Example:
+        >>> r = SystemResult("xreduce shm", "4 process(es) x 1 device(s)", [Row(4, 1, [0.001])])
+        >>> r.short, r.is_xreduce, r.row(4).time, r.row(8)
+        ('shm', True, 0.001, None)
+    """
+
+    name: str
+    """``xreduce wire``, ``xreduce shm``, ``xreduce auto``, ``gloo``, ``mpi`` or ``echo``."""
+    about: str
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    skipped: str | None = None
+    failed: str | None = None
+
+    @property
+    def short(self) -> str:
+        """The name in ratio columns: ``wire``, ``shm``, ``gloo``, ..."""
+        return self.name.removeprefix("xreduce ")
+
+    @property
+    def is_xreduce(self) -> bool:
+        """Whether this is one of xreduce's transports (else a peer or the echo)."""
+        return self.name.startswith("xreduce ")
+
+    def row(self, size: int) -> Row | None:
+        """The row of ``size``, or None when it was not measured."""
+        return next((r for r in self.rows if r.size == size), None)

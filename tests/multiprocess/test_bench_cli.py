@@ -1,0 +1,151 @@
+"""``xreduce bench`` against real daemons: the tables, the bus factor, --json, --plot and the peers.
+
+Sizes stay tiny (4 B to 4 KiB, 2 iterations): these tests check what is printed and how it is
+computed, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+COLUMNS = ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+SIZES = [4 << i for i in range(11)]  # 4 B .. 4 KiB
+TINY = ["--min-bytes", "4", "--max-bytes", "4KiB", "--iters", "2", "--warmup", "1"]
+
+
+def bench(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "xreduce._cli", "bench", *args], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, **(env or {})})
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def sections(out: str) -> dict[str, list[str]]:
+    """Each ``# NAME: ...`` section's lines (header comments dropped, rows kept)."""
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in out.splitlines():
+        m = re.match(r"# (xreduce \w+|gloo|mpi|echo|ratios|targets)\b", line)
+        if m:
+            current = m.group(1)
+            found[current] = [line]
+        elif current is not None and line.strip():
+            found[current].append(line)
+    return found
+
+
+def table(lines: list[str]) -> list[dict[str, str]]:
+    """The rows of one system's table, keyed by the column names of its header."""
+    header = lines[1].lstrip("#").split()
+    assert header == COLUMNS
+    return [dict(zip(header, line.split())) for line in lines[2:]]
+
+
+def check_rows(rows: list[dict[str, str]], dtype: str, factor: float, echo: bool = False) -> None:
+    assert [int(r["size(B)"]) for r in rows] == SIZES
+    for r in rows:
+        size, time_us, algbw = int(r["size(B)"]), float(r["time(us)"]), float(r["algbw(GB/s)"])
+        assert int(r["count"]) == size // 4 and r["type"] == dtype
+        assert time_us > 0
+        # printed to four significant digits, the time to 0.1 us
+        assert algbw == pytest.approx(size / (time_us * 1e3), rel=2e-3 + 0.06 / time_us)
+        if echo:
+            assert r["busbw(GB/s)"] == "-"
+        else:
+            assert float(r["busbw(GB/s)"]) / algbw == pytest.approx(factor, rel=2e-3)
+        assert r["#wrong"] in ("0", "-")
+
+
+@pytest.mark.slow
+def test_two_processes_print_the_table_the_ratios_and_json(daemon, tmp_path):
+    # the default transport, auto: shared memory here, where the daemon shares the host
+    out = bench("--address", daemon.address, "--processes", "2", "--echo", "--json", str(tmp_path / "out.json"),
+                *TINY).stdout
+    assert out.startswith("# xreduce bench: all_reduce, float32, sum, 2 process(es) x 1 device(s): n = 2 ranks; "
+                          "4 B to 4 KiB; 2 iterations after 1 warm-up\n")
+    assert "busbw = algbw x 2(n-1)/n = 1\n" in out
+    found = sections(out)
+    auto = table(found["xreduce auto"])
+    check_rows(auto, "float32", 1.0)
+    assert all(r["#wrong"] == "0" and r["redop"] == "sum" for r in auto)
+    check_rows(table(found["echo"]), "float32", 1.0, echo=True)
+    ratios = found["ratios"]
+    assert ratios[1].lstrip("#").split() == ["size(B)", "auto/echo"]
+    auto_time = {int(r["size(B)"]): float(r["time(us)"]) for r in auto}
+    echo_time = {int(r["size(B)"]): float(r["time(us)"]) for r in table(found["echo"])}
+    for line in ratios[2:]:
+        size, ratio = line.split()
+        assert float(ratio) == pytest.approx(auto_time[int(size)] / echo_time[int(size)], rel=5e-3)
+    assert re.fullmatch(r"2 processes x 4 B float32 all-reduce, auto: xreduce [\d.]+ us, gRPC echo [\d.]+ us, "
+                        r"ratio [\d.]+ \(target <= 1\.2\): (met|not met)", found["targets"][1])
+
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["sweep"]["ranks"] == 2 and data["sweep"]["bus_factor"] == 1.0
+    assert data["sweep"]["sizes"] == SIZES
+    systems = {s["name"]: s for s in data["systems"]}
+    assert set(systems) == {"xreduce auto", "echo"}
+    rows = systems["xreduce auto"]["rows"]
+    assert [r["size"] for r in rows] == SIZES
+    assert all(len(r["times_us"]) == 2 and r["wrong"] == 0 for r in rows)
+    assert all(r["busbw_gbps"] == pytest.approx(r["algbw_gbps"]) for r in rows)
+    assert data["targets"][0]["bound"] == 1.2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the bench extra)")
+def test_plot_writes_a_png(tmp_path):
+    plot = tmp_path / "bw.png"
+    out = bench("--embedded", "--devices", "2", "--max-bytes", "64", "--iters", "2", "--plot", str(plot)).stdout
+    assert f"# plot: {plot}" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None,
+                    reason="matplotlib is installed: test_plot_writes_a_png draws")
+def test_plot_without_matplotlib_says_what_to_install(tmp_path):
+    result = bench("--embedded", "--plot", str(tmp_path / "x.png"), *TINY, check=False)
+    assert result.returncode == 2
+    assert "--plot needs matplotlib (pip install 'xreduce[bench]')" in result.stderr
+
+
+@pytest.mark.slow
+def test_one_process_odd_device_count_and_a_missing_peer():
+    # three devices in one process: busbw = algbw x 2(n-1)/n = 4/3; mpirun is not on this PATH
+    out = bench("--embedded", "--devices", "3", "--transport", "wire", "--peers", "mpi", *TINY,
+                env={"PATH": ""}).stdout
+    assert "1 process(es) x 3 device(s): n = 3 ranks" in out
+    assert "busbw = algbw x 2(n-1)/n = 1.333\n" in out
+    found = sections(out)
+    check_rows(table(found["xreduce wire"]), "float32", 4 / 3)
+    assert found["mpi"] == ["# mpi: skipped: mpirun is not on PATH (Debian: apt-get install openmpi-bin "
+                            "libopenmpi-dev)"]
+    assert "ratios" not in found
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (the bench extra)")
+def test_gloo_peer_runs_the_same_sizes(daemon):
+    out = bench("--address", daemon.address, "--processes", "2", "--peers", "gloo", *TINY).stdout
+    found = sections(out)
+    assert re.match(r"# gloo: torch \S+, 2 processes, one rank each$", found["gloo"][0])
+    check_rows(table(found["gloo"]), "float32", 1.0)
+    assert found["ratios"][1].lstrip("#").split() == ["size(B)", "auto/gloo"]
+    assert [int(line.split()[0]) for line in found["ratios"][2:]] == SIZES
+
+
+@pytest.mark.slow
+def test_bad_arguments_name_the_values(daemon):
+    result = bench("--address", daemon.address, "--processes", "3", "--devices", "3", *TINY, check=False)
+    assert result.returncode == 2
+    assert f"--processes 3 x --devices 3 needs 9 devices; the daemon at {daemon.address} has 8" in result.stderr
+    result = bench("--address", daemon.address, "--peers", "nccl", check=False)
+    assert result.returncode == 2 and "--peers: unknown peer(s) nccl; peers: gloo, mpi" in result.stderr
+    result = bench("--address", daemon.address, "--transport", "wire,tcp", check=False)
+    assert result.returncode == 2 and "--transport: a comma-separated list of wire, shm, auto" in result.stderr

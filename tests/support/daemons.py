@@ -1,0 +1,54 @@
+"""The tests' daemon factory: starts real ``xreduced`` subprocesses and stops every one it started.
+
+``tests/conftest.py`` wraps it in the ``start_daemon`` (per test) and
+``start_module_daemon`` (per module) fixtures; a helper that manages its own
+daemons' lifetime uses it as a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+
+from xreduce_bench.daemon import DaemonProcess
+
+
+class Daemons:
+    """Starts ``python -m xreduced FLAGS...`` on each call; :meth:`close` stops what is still running.
+
+    Args:
+        stop_signal: what :meth:`close` sends a daemon that is still running
+            (SIGTERM: a graceful stop; SIGKILL for tests that must not wait for one).
+
+    Example:
+        >>> with Daemons() as start:
+        ...     proc = start("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "2")
+        ...     proc.address.startswith("127.0.0.1:")
+        True
+    """
+
+    def __init__(self, stop_signal: int = signal.SIGTERM):
+        self._stop_signal = stop_signal
+        self._started: list[DaemonProcess] = []
+
+    def __call__(self, *flags: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> DaemonProcess:
+        """Starts a daemon with ``flags`` (nothing added), ``env`` over this process's environment,
+        and waits at most ``timeout`` seconds for it to serve."""
+        proc = DaemonProcess(list(flags), env=env, timeout=timeout)
+        self._started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Stops every daemon still running, the last started first."""
+        for proc in reversed(self._started):
+            if proc.proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # terminate() has killed it then
+                    proc.terminate(self._stop_signal)
+        self._started.clear()
+
+    def __enter__(self) -> Daemons:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
