@@ -77,7 +77,7 @@ from google.protobuf.message import DecodeError  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from xreduce import _shm  # noqa: E402
+from xreduce import _segments as _shm  # noqa: E402
 from xreduce.v1 import xreduce_pb2 as pb  # noqa: E402
 from xreduce.wire import SESSION_METADATA, codec, method_path  # noqa: E402
 

@@ -25,7 +25,7 @@ import pytest
 from daemon import DaemonProcess
 from google.protobuf.duration_pb2 import Duration
 from hypothesis import HealthCheck, given, settings
-from xreduce import _shm
+from xreduce import _segments as _shm
 from xreduce.v1 import xreduce_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
