@@ -126,7 +126,7 @@ def replicas(nbytes: int) -> list[np.ndarray]:
 def batch_reduce(client: Client, arrays: list[np.ndarray]) -> list[np.ndarray]:
     request = pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(value=pb.DistributedValue(
         components=[pb.Component(device=f"CPU:{i}", tensor=codec.encode(a)) for i, a in enumerate(arrays)]))])
-    reply = client.call("BatchReduce", request)
+    reply = client.batch_reduce(request)
     return [codec.decode(c.tensor) for c in reply.results[0].result.components]
 
 

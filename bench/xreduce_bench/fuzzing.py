@@ -73,7 +73,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from xreduce import _shm
+from xreduce import _segments as _shm
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import SESSION_METADATA, codec, method_path
 

@@ -97,7 +97,7 @@ class Worker:
     # --- helpers ---
 
     def _group(self):
-        from xreduce._client import process_group
+        from xreduce._runtime import process_group
 
         group = process_group()
         if group is None:

@@ -14,7 +14,7 @@ Example:
 """
 
 from xreduce import distribute, distribution, wire
-from xreduce._client import Client, resolve_address
+from xreduce._client import Client
 from xreduce._embedded import serve_embedded
 from xreduce._errors import (
     AbortedError,
@@ -29,7 +29,9 @@ from xreduce._errors import (
     UnavailableError,
     XReduceError,
 )
-from xreduce._shm import shared_array
+from xreduce._options import ConnectionOptions
+from xreduce._runtime import resolve_address
+from xreduce._shared_arrays import shared_array
 from xreduce.wire import DEFAULT_ADDRESS, SUPPORTED_DTYPES, DeviceName, canonical
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "AbortedError",
     "CancelledError",
     "Client",
+    "ConnectionOptions",
     "DeadlineExceededError",
     "DeviceName",
     "InternalError",

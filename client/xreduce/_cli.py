@@ -106,7 +106,6 @@ def _status(args: argparse.Namespace) -> int:
 
     from xreduce._client import Client
     from xreduce._errors import XReduceError
-    from xreduce.v1 import xreduce_pb2 as pb
 
     try:
         client = Client(args.address, timeout=args.timeout)
@@ -116,7 +115,7 @@ def _status(args: argparse.Namespace) -> int:
     with client:
         address = client.address
         try:
-            status = client.call("GetStatus", pb.GetStatusRequest())
+            status = client.get_status()
         except (XReduceError, ValueError) as e:
             code = getattr(e, "code", None)
             what = f" ({code.name})" if code is not None else ""

@@ -1,4 +1,4 @@
-"""The connection to a daemon: address resolution, credentials, a lazy channel, typed calls.
+"""The connection to a daemon: credentials, a lazy channel, a typed method per RPC.
 
 Resilience lives in the channel: it reconnects on its own after the daemon
 restarts (fast reconnect backoff), idempotent calls (ListDevices, GetStatus,
@@ -10,18 +10,22 @@ wait_for_ready), so they fail fast with an UnavailableError naming the address.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import threading
+from collections.abc import Iterable, Iterator
 
 import grpc
 
-from xreduce import _shm
-from xreduce._errors import from_rpc_error
+from xreduce import _runtime
+from xreduce._errors import InvalidArgumentError, from_rpc_error
+from xreduce._options import ENV_TRANSPORT, ConnectionOptions, Pem, check_transport, merge
+from xreduce._segments import SHM_DIR, available
+from xreduce._session import Session
+from xreduce._shared_memory import SharedMemory
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
-from xreduce.wire.contract import DEFAULT_ADDRESS, SERVICE_NAME
+from xreduce.wire.contract import SERVICE_NAME, SESSION_METADATA, method_path
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a call may take when the caller gives no timeout: no wait is unbounded."""
@@ -71,78 +75,6 @@ CHANNEL_OPTIONS = (
 )
 """Options of every SDK channel: message limits, retries, fast reconnects."""
 
-def _check_transport(value: str, name: str) -> str:
-    if value not in _shm.TRANSPORTS:
-        raise ValueError(f"{name} must be one of {', '.join(_shm.TRANSPORTS)}; got {value!r}")
-    return value
-
-
-_embedded_address: list[str] = []  # set by serve_embedded(), innermost last
-_lock = threading.Lock()
-
-
-@dataclasses.dataclass
-class ProcessGroup:
-    """This process's place in a multi-process job, as the daemon's JoinGroup gave it.
-
-    Every collective call of the SDK in this process takes the next sequence
-    number, so the k-th collective of every process meets the others' k-th.
-
-    Example:
-        >>> pg = ProcessGroup("train", 2, 1, ("/cpu:1",), ("/cpu:0", "/cpu:1"))
-        >>> [pg.next_spec().sequence for _ in range(2)]
-        [0, 1]
-    """
-
-    group: str
-    num_processes: int
-    process_id: int
-    local_devices: tuple[str, ...]
-    global_devices: tuple[str, ...]
-    _counter: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def next_spec(self) -> pb.CollectiveSpec:
-        """The ``CollectiveSpec`` of this process's next collective."""
-        with self._lock:
-            sequence = next(self._counter)
-        return pb.CollectiveSpec(group=self.group, num_processes=self.num_processes,
-                                 process_id=self.process_id, sequence=sequence)
-
-
-_process_group: list[ProcessGroup] = []
-
-
-def process_group() -> ProcessGroup | None:
-    """The multi-process job this process joined (``xreduce.distribution.initialize``), or None."""
-    return _process_group[0] if _process_group else None
-
-
-def set_process_group(group: ProcessGroup | None) -> None:
-    """Installs (or, with None, removes) this process's multi-process job."""
-    _process_group[:] = [group] if group is not None else []
-
-
-def resolve_address(address: str | None = None) -> str:
-    """Where the SDK finds its daemon.
-
-    An explicit ``address`` wins, then a running :func:`xreduce.serve_embedded`,
-    then ``XREDUCE_ADDRESS``, then :data:`DEFAULT_ADDRESS`. ``unix:PATH`` works.
-
-    Example:
-        >>> resolve_address("unix:/tmp/x.sock")
-        'unix:/tmp/x.sock'
-    """
-    if address:
-        return address
-    if _embedded_address:
-        return _embedded_address[-1]
-    return os.environ.get("XREDUCE_ADDRESS") or DEFAULT_ADDRESS
-
-
-Pem = bytes | str | os.PathLike
-"""PEM data as bytes, or the path of a PEM file."""
-
 
 def _pem(value: Pem | None, what: str) -> bytes | None:
     if value is None or isinstance(value, bytes):
@@ -154,16 +86,16 @@ def _pem(value: Pem | None, what: str) -> bytes | None:
         raise ValueError(f"{what} {os.fspath(value)}: cannot read it ({e.strerror})") from None
 
 
-def _env_pem(name: str) -> bytes | None:
-    path = os.environ.get(name)
-    return _pem(path, name) if path else None
+def _serialize(message: pb.ReduceStreamRequest | bytes) -> bytes:
+    """ReduceStream's requests: messages, or chunk messages the caller encoded already."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class Client:
-    """A connection to one daemon; the channel opens on first use.
+    """A connection to one daemon, with a typed method per RPC; the channel opens on first use.
 
     Args:
-        address: ``host:port`` or ``unix:PATH``; see :func:`resolve_address`.
+        address: ``host:port`` or ``unix:PATH``; see :func:`xreduce.resolve_address`.
         timeout: default seconds per call (``None``: :data:`DEFAULT_TIMEOUT`).
         token: the bearer token sent with every call as ``authorization: Bearer
             <token>`` metadata (also over plaintext); default ``XREDUCE_TOKEN``,
@@ -178,6 +110,8 @@ class Client:
             daemon shares this host, else the wire), ``"shm"`` (shared memory,
             or an error saying why not), ``"wire"`` (bytes in the messages);
             default ``XREDUCE_TRANSPORT``, else ``"auto"``.
+        options: all of the above as one :class:`xreduce.ConnectionOptions`;
+            a keyword given beside it wins over its field.
 
     ``XREDUCE_TLS_SERVER_NAME`` overrides the name the daemon's certificate
     must carry (default: the address's host). A daemon started by
@@ -188,6 +122,11 @@ class Client:
     daemon is unavailable (5 attempts over about 4 s); collectives fail at
     once with :class:`xreduce.UnavailableError`. The channel reconnects by
     itself after the daemon restarts: keep using the same client.
+
+    Each RPC method takes the request message and returns the response
+    message; ``timeout=`` bounds the call, ``session=`` names the session
+    (:meth:`open_session`) whose regions the request uses. Failures raise
+    :class:`xreduce.XReduceError`, keeping the status code.
 
     Raises:
         ValueError: ``certificate_chain`` without ``private_key`` or the reverse;
@@ -201,109 +140,111 @@ class Client:
         '127.0.0.1:1'
         >>> Client("daemon.example:50551", token="s3cret", root_certificates=b"-----BEGIN CERTIFICATE-----...").tls
         True
+        >>> import xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+        ...     c.device_names()[1], c.get_status().backend
+        ('/job:localhost/replica:0/task:0/device:CPU:1', 'numpy')
     """
 
     def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None,
                  root_certificates: Pem | None = None, certificate_chain: Pem | None = None,
-                 private_key: Pem | None = None, transport: str | None = None):
-        if (certificate_chain is None) != (private_key is None):
-            raise ValueError("certificate_chain and private_key go together (mutual TLS); got only "
-                             + ("certificate_chain" if private_key is None else "private_key"))
-        self._explicit = address
+                 private_key: Pem | None = None, transport: str | None = None, *,
+                 options: ConnectionOptions | None = None):
+        self._options = merge(options, address=address, timeout=timeout, token=token,
+                              root_certificates=root_certificates, certificate_chain=certificate_chain,
+                              private_key=private_key, transport=transport)
         self._address: str | None = None
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-        self._token = token
-        self._root_certificates = root_certificates
-        self._certificate_chain = certificate_chain
-        self._private_key = private_key
+        self.timeout = DEFAULT_TIMEOUT if self._options.timeout is None else self._options.timeout
+        self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CrossDeviceOpsStub | None = None
         self._devices: pb.ListDevicesResponse | None = None
-        self._transport = transport
-        if transport is not None:
-            _check_transport(transport, "transport")
+
+    @property
+    def options(self) -> ConnectionOptions:
+        """The connection settings this client was made with (unset fields resolve on use)."""
+        return self._options
 
     @property
     def transport(self) -> str:
         """The transport asked for: ``transport=``, else ``XREDUCE_TRANSPORT``, else ``"auto"``."""
-        if self._transport is not None:
-            return self._transport
-        return _check_transport(os.environ.get(_shm.ENV_TRANSPORT) or "auto", _shm.ENV_TRANSPORT)
+        if self._options.transport is not None:
+            return self._options.transport
+        return check_transport(os.environ.get(ENV_TRANSPORT) or "auto", ENV_TRANSPORT)
 
-    def shared_memory(self) -> _shm.Transport | None:
-        """The shared-memory transport when this call should use it, else None (the wire).
+    def shared_memory(self) -> SharedMemory | None:
+        """The shared memory with this daemon when this call should use it, else None (the wire).
+
+        One per process and daemon, shared by every client: each open session holds a daemon thread.
 
         Raises:
-            xreduce.XReduceError: ``transport="shm"`` and the daemon cannot
-                read this host's shared memory (the message says why).
+            xreduce.InvalidArgumentError: ``transport="shm"`` and this host has no
+                POSIX shared memory, or the daemon cannot read it (the message
+                says why); it is a ``ValueError`` too.
+            xreduce.XReduceError: opening the session failed otherwise, e.g.
+                :class:`xreduce.UnavailableError`.
+
+        Example:
+            >>> Client("127.0.0.1:1", transport="wire").shared_memory() is None
+            True
         """
         mode = self.transport
         if mode == "wire":
             return None
-        if not _shm.available():
+        if not available():
             if mode == "shm":
-                raise ValueError(f"transport='shm' needs POSIX shared memory ({_shm.SHM_DIR}); this host has none")
+                raise InvalidArgumentError(f"transport='shm' needs POSIX shared memory ({SHM_DIR}); this host has "
+                                           "none", grpc.StatusCode.FAILED_PRECONDITION)
             return None
-        # One session per process and daemon, shared by every client: each open session holds a daemon thread.
-        key = (os.getpid(), self.address, self._metadata(), self.tls)
-        transport = _shm.transport_for(key, self._clone)
-        if transport.usable():
-            return transport
+        runtime = _runtime.default()
+        key = (self.address, self._metadata(), self.tls)
+        shm = runtime.shared_memory(key, lambda: SharedMemory(self._session_client(), runtime.releases,
+                                                              runtime.shared_arrays))
+        if shm.usable():
+            return shm
         if mode == "shm":
-            raise ValueError(f"transport='shm' but the daemon at {self.address} cannot read this host's shared "
-                             f"memory: {transport.reason or transport.last_error}")
+            raise InvalidArgumentError(f"transport='shm' but the daemon at {self.address} cannot read this host's "
+                                       f"shared memory: {shm.reason or shm.last_error}",
+                                       grpc.StatusCode.FAILED_PRECONDITION)
         return None
 
-    def _clone(self) -> Client:
+    def _session_client(self) -> Client:
         """A client of the same daemon with the same credentials, for the shared session."""
-        return Client(self.address, self.timeout, self._token, self._root_certificates, self._certificate_chain,
-                      self._private_key, transport="wire")
-
-    def _open_session(self) -> _shm.Session:
-        try:
-            return _shm.Session(self._get_stub(), self._metadata(), self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
-
-    def _call_with(self, method: str, request, metadata: tuple, timeout: float | None = None):
-        rpc = getattr(self._get_stub(), method)
-        try:
-            return rpc(request, timeout=self.timeout if timeout is None else timeout,
-                       metadata=self._metadata() + tuple(metadata))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+        return Client(options=dataclasses.replace(self._options, address=self.address, timeout=self.timeout,
+                                                  transport="wire"))
 
     @property
     def address(self) -> str:
         """The daemon's address, resolved on first use and then fixed."""
         if self._address is None:
-            self._address = resolve_address(self._explicit)
+            self._address = _runtime.resolve_address(self._options.address)
         return self._address
 
     @property
     def tls(self) -> bool:
         """Whether the channel uses TLS (``root_certificates``, a client certificate or ``XREDUCE_TLS_CA``)."""
-        if self._root_certificates is not None or self._certificate_chain is not None:
+        if self._options.root_certificates is not None or self._options.certificate_chain is not None:
             return True
         return self._from_env(ENV_TLS_CA) is not None
 
     def _from_env(self, name: str) -> str | None:
         """A TLS variable, ignored for the embedded daemon (plaintext on its private socket)."""
-        if self._explicit is None and self.address in _embedded_address:
+        if self._options.address is None and _runtime.default().is_embedded(self.address):
             return None
         return os.environ.get(name) or None
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self._token if self._token is not None else os.environ.get(ENV_TOKEN)
+        token = self._options.token if self._options.token is not None else os.environ.get(ENV_TOKEN)
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     def _credentials(self) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
         """TLS credentials: each argument, else its environment variable."""
-        root = _pem(self._root_certificates, "root_certificates") if self._root_certificates is not None \
+        opts = self._options
+        root = _pem(opts.root_certificates, "root_certificates") if opts.root_certificates is not None \
             else _pem(self._from_env(ENV_TLS_CA), ENV_TLS_CA)
-        if self._certificate_chain is not None:
-            chain = _pem(self._certificate_chain, "certificate_chain")
-            key = _pem(self._private_key, "private_key")
+        if opts.certificate_chain is not None:
+            chain = _pem(opts.certificate_chain, "certificate_chain")
+            key = _pem(opts.private_key, "private_key")
         else:
             chain = _pem(self._from_env(ENV_TLS_CLIENT_CERT), ENV_TLS_CLIENT_CERT)
             key = _pem(self._from_env(ENV_TLS_CLIENT_KEY), ENV_TLS_CLIENT_KEY)
@@ -322,19 +263,109 @@ class Client:
         return grpc.secure_channel(self.address, credentials, options=options + extra)
 
     def _get_channel(self) -> grpc.Channel:
-        with _lock:
+        return self._get()[0]
+
+    def _get(self) -> tuple[grpc.Channel, pb_grpc.CrossDeviceOpsStub]:
+        with self._lock:
             if self._channel is None:
                 self._channel = self._open()
                 self._stub = pb_grpc.CrossDeviceOpsStub(self._channel)
-            return self._channel
+            return self._channel, self._stub
 
-    def _get_stub(self) -> pb_grpc.CrossDeviceOpsStub:
-        self._get_channel()
-        return self._stub
+    def _unary(self, method: str, request, timeout: float | None, session: str | None = None):
+        """Calls the unary RPC ``method``; the session's id goes in the metadata when given."""
+        stub = self._get()[1]
+        metadata = self._metadata() + (((SESSION_METADATA, session),) if session else ())
+        try:
+            return getattr(stub, method)(request, timeout=self.timeout if timeout is None else timeout,
+                                         metadata=metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
 
-    def call(self, method: str, request, timeout: float | None = None, metadata: tuple = ()):
-        """Calls RPC ``method`` (with extra ``metadata``); failures raise :class:`xreduce.XReduceError`."""
-        return self._call_with(method, request, metadata, timeout)
+    # --- one method per RPC ----------------------------------------------------------------------------------
+
+    def list_devices(self, refresh: bool = False, timeout: float | None = None) -> pb.ListDevicesResponse:
+        """The daemon's ``ListDevicesResponse`` (cached after the first call; ``refresh`` asks again)."""
+        if self._devices is None or refresh:
+            self._devices = self._unary("ListDevices", pb.ListDevicesRequest(), timeout)
+        return self._devices
+
+    def get_status(self, timeout: float | None = None) -> pb.GetStatusResponse:
+        """The daemon's ``GetStatusResponse``: version, devices, limits, counters."""
+        return self._unary("GetStatus", pb.GetStatusRequest(), timeout)
+
+    def reduce(self, request: pb.ReduceRequest, timeout: float | None = None, *,
+               session: str | None = None) -> pb.ReduceResponse:
+        """Calls ``Reduce``: one value reduced to its destinations."""
+        return self._unary("Reduce", request, timeout, session)
+
+    def batch_reduce(self, request: pb.BatchReduceRequest, timeout: float | None = None, *,
+                     session: str | None = None) -> pb.BatchReduceResponse:
+        """Calls ``BatchReduce``: each pair reduced to its destinations, in one collective.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> from xreduce.wire import codec
+            >>> value = pb.DistributedValue(components=[
+            ...     pb.Component(device=f"CPU:{i}", tensor=codec.encode(np.full(2, i + 1.0))) for i in range(2)])
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     reply = c.batch_reduce(pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_SUM,
+            ...                                                  pairs=[pb.ReducePair(value=value)]))
+            >>> codec.decode(reply.results[0].result.components[1].tensor)
+            array([3., 3.])
+        """
+        return self._unary("BatchReduce", request, timeout, session)
+
+    def broadcast(self, request: pb.BroadcastRequest, timeout: float | None = None, *,
+                  session: str | None = None) -> pb.BroadcastResponse:
+        """Calls ``Broadcast``: one tensor copied to every destination."""
+        return self._unary("Broadcast", request, timeout, session)
+
+    def join_group(self, request: pb.JoinGroupRequest, timeout: float | None = None) -> pb.JoinGroupResponse:
+        """Calls ``JoinGroup``: meets the other processes of a multi-process job in the daemon."""
+        return self._unary("JoinGroup", request, timeout)
+
+    def open_session(self, request: pb.OpenSessionRequest, timeout: float | None = None) -> Session:
+        """Calls ``OpenSession`` and returns the :class:`~xreduce._session.Session` once the daemon answered
+        (within ``timeout``); the session lasts until it is closed or the daemon stops."""
+        responses = self._get()[1].OpenSession(request, metadata=self._metadata())
+        return Session(responses, self.address, self.timeout if timeout is None else timeout)
+
+    def register_region(self, request: pb.RegisterRegionRequest, timeout: float | None = None, *,
+                        session: str | None = None) -> pb.RegisterRegionResponse:
+        """Calls ``RegisterRegion``: names shared or CUDA IPC memory for the session's later calls."""
+        return self._unary("RegisterRegion", request, timeout, session)
+
+    def unregister_region(self, request: pb.UnregisterRegionRequest, timeout: float | None = None, *,
+                          session: str | None = None) -> pb.UnregisterRegionResponse:
+        """Calls ``UnregisterRegion``: the daemon lets go of a region of the session."""
+        return self._unary("UnregisterRegion", request, timeout, session)
+
+    def list_regions(self, timeout: float | None = None, *, session: str | None = None) -> pb.ListRegionsResponse:
+        """Calls ``ListRegions``: the regions of the session."""
+        return self._unary("ListRegions", pb.ListRegionsRequest(), timeout, session)
+
+    def reduce_stream(self, requests: Iterable[pb.ReduceStreamRequest | bytes],
+                      timeout: float | None = None) -> Iterator[pb.ReduceStreamResponse]:
+        """Calls ``ReduceStream``: sends ``requests`` (messages, or chunk messages already encoded by
+        :func:`xreduce.wire.framing.chunk_message`) and yields the replies as they arrive.
+
+        The call starts at the first ``next()``; closing the iterator cancels it.
+        See :func:`xreduce._streaming.stream_batch_reduce` for the whole exchange.
+
+        Raises:
+            xreduce.XReduceError: while iterating, the daemon's error.
+        """
+        call = self._get_channel().stream_stream(method_path("ReduceStream"), request_serializer=_serialize,
+                                                 response_deserializer=pb.ReduceStreamResponse.FromString)
+        responses = call(iter(requests), timeout=self.timeout if timeout is None else timeout,
+                         metadata=self._metadata())
+        try:
+            yield from responses
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+        finally:
+            responses.cancel()  # a no-op once the call ended; stops the stream if reading failed
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The daemon's health for ``service`` ("" is the whole daemon): ``"SERVING"``, ``"NOT_SERVING"``...
@@ -355,12 +386,6 @@ class Client:
             raise from_rpc_error(e, self.address) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    def list_devices(self, refresh: bool = False) -> pb.ListDevicesResponse:
-        """The daemon's ``ListDevicesResponse`` (cached after the first call)."""
-        if self._devices is None or refresh:
-            self._devices = self.call("ListDevices", pb.ListDevicesRequest())
-        return self._devices
-
     def device_names(self) -> list[str]:
         """Canonical names of the daemon's devices, in order."""
         return [d.name for d in self.list_devices().devices]
@@ -368,7 +393,7 @@ class Client:
     def close(self) -> None:
         """Closes the channel; the client reopens it if used again. (The shared-memory
         session is the process's, shared by its clients: it ends when the process exits.)"""
-        with _lock:
+        with self._lock:
             if self._channel is not None:
                 self._channel.close()
             self._channel = self._stub = None

@@ -7,7 +7,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-from xreduce import _client
+from xreduce import _runtime
 
 
 @contextlib.contextmanager
@@ -38,9 +38,8 @@ def serve_embedded(virtual_devices: int = 8, backend: str = "numpy") -> Iterator
         config = Config(listen=f"unix:{tmp}/xreduced.sock", backend=backend,
                         virtual_devices=virtual_devices, grace_seconds=1.0)
         daemon = Daemon(config).start()
-        _client._embedded_address.append(daemon.address)
         try:
-            yield daemon.address
+            with _runtime.default().embedding(daemon.address):
+                yield daemon.address
         finally:
-            _client._embedded_address.remove(daemon.address)
             daemon.stop()

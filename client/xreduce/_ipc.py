@@ -8,7 +8,7 @@ daemon runs the ``cupy`` backend in another process, :func:`staging` returns a
 * each CUDA allocation holding an input is registered once per session as a
   ``cuda_ipc`` region (``ipc-<pid>-<buffer id>-<n>``); tensors name slices of
   it. After each call the least recently used idle regions are unregistered
-  beyond :data:`MAX_REGIONS` per session, or beyond twice the regions that call
+  beyond :data:`~xreduce._cuda_regions.MAX_REGIONS` per session, or beyond twice the regions that call
   used if more (a large batch, call after call, is not registered again each time);
 * each region has an interprocess CUDA event, recorded on the current CuPy
   stream of the inputs' GPU before every call that uses the region: the
@@ -29,49 +29,17 @@ be a CuPy array.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import dataclasses
-import itertools
-import os
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from xreduce import _client
+from xreduce import _runtime
+from xreduce._cuda_regions import Region
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec, cuda_ipc
-from xreduce.wire.contract import SESSION_METADATA
 from xreduce.wire.layout import OUTPUT_ALIGNMENT
-
-MAX_REGIONS = 64
-"""CUDA IPC regions a process keeps registered per daemon session (more for a call using over half as many)."""
-FREE_OUTPUTS_KEPT = 4
-"""Free output buffers per GPU kept for the next calls."""
-MIN_OUTPUT_BYTES = 1 << 20
-
-_lock = threading.RLock()
-_pid = os.getpid()
-_names = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class _Region:
-    """One registered allocation: its region name, the session it belongs to, its ready event."""
-
-    name: str
-    session: Any  # xreduce._shm.Session
-    call: Callable  # the transport's call(method, request, metadata)
-    device_id: int
-    event: Any  # cupy.cuda.Event, interprocess
-    busy: int = 0
-
-
-# (session id, driver buffer id) -> region, least recently used first.
-_regions: collections.OrderedDict[tuple[str, int], _Region] = collections.OrderedDict()
 
 
 def _is_cupy(value: Any) -> bool:
@@ -82,7 +50,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
     """A :class:`DeviceStaging` when the values should travel as CUDA IPC regions, else None.
 
     Args:
-        shm: the client's :class:`xreduce._shm.Transport` (a usable session).
+        shm: the client's :class:`xreduce._shared_memory.SharedMemory` (a usable session).
         address: the daemon's address.
         values: per pair, the user's component values.
 
@@ -111,7 +79,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
             device_id = a.device.id
         elif a.device.id != device_id:
             return None
-    if address in _client._embedded_address:
+    if _runtime.default().is_embedded(address):
         return None  # a process cannot open its own CUDA IPC handles
     session = shm.session()
     if not session.cuda_ipc:
@@ -125,7 +93,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
 
 class DeviceStaging:
     """The CUDA IPC side of one call: :meth:`stage` and :meth:`output`, as
-    :class:`xreduce._shm.Transport` has them.
+    :class:`xreduce._shared_memory.SharedMemory` has them.
 
     Made by :func:`staging` for each call; the function :meth:`stage` returns
     must be called once the call returned (it lets the regions be evicted).
@@ -141,13 +109,13 @@ class DeviceStaging:
         import cupy
 
         self._cp = cupy
-        self._shm = shm
+        self._client = shm.client
         self._session = session
         self._device_id = device_id
         self._exports = exports
-        self._metadata = ((SESSION_METADATA, session.id),)
-        self._pinned: list[_Region] = []
-        _forget_dead()
+        self._regions = _runtime.default().cuda_regions
+        self._pinned: list[Region] = []
+        self._regions.forget_dead()
 
     def stage(self, arrays: Sequence[Any]) -> tuple[list[pb.Tensor], Callable[[], None]]:
         """Region tensors for ``arrays`` (CuPy arrays, in place: nothing is copied).
@@ -183,14 +151,14 @@ class DeviceStaging:
             (the slice to send, a function turning a reply tensor into a CuPy
             array: a view of the buffer).
         """
-        cp, device_id = self._cp, self._device_id
-        buffer = _outputs.acquire(cp, device_id, max(nbytes, 1))
+        cp, device_id, outputs = self._cp, self._device_id, self._regions.outputs
+        buffer = outputs.acquire(cp, device_id, max(nbytes, 1))
         try:
             export = cuda_ipc.export(buffer)
             region = self._region(export)
             self._record([region])  # the daemon writes after what the stream queued (reads of earlier results)
         except BaseException:
-            _outputs.release(device_id, buffer)
+            outputs.release(device_id, buffer)
             raise
         skip = -export.offset % OUTPUT_ALIGNMENT
         size = int(buffer.nbytes) - OUTPUT_ALIGNMENT
@@ -198,7 +166,7 @@ class DeviceStaging:
         lease = _Lease(buffer)
         memory = cp.cuda.UnownedMemory(buffer.data.ptr + skip, size, lease, device_id)
         hold = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(memory, 0))  # views of it keep the buffer busy
-        weakref.finalize(lease, _outputs.release, device_id, buffer)
+        weakref.finalize(lease, outputs.release, device_id, buffer)
 
         def result(tensor: pb.Tensor):
             if not tensor.HasField("region"):
@@ -214,23 +182,20 @@ class DeviceStaging:
 
         return pb.RegionSlice(name=region.name, offset=start, byte_size=size), result
 
-    def _region(self, export) -> _Region:
+    def _region(self, export) -> Region:
         """The registered region of ``export``'s allocation (registered now if needed), pinned for this call."""
-        key = (self._session.id, export.buffer_id)
-        with _lock:
-            region = _regions.get(key)
-            if region is None:
-                event, handle = cuda_ipc.ready_event(export.device_id)
-                name = f"ipc-{os.getpid()}-{export.buffer_id}-{next(_names)}"
-                self._shm._call("RegisterRegion", pb.RegisterRegionRequest(
-                    name=name, offset=0, byte_size=export.alloc_size, cuda_ipc=pb.CudaIpcHandle(
-                        mem_handle=export.mem_handle, device_id=export.device_id, event_handle=handle)),
-                    self._metadata)
-                region = _regions[key] = _Region(name, self._session, self._shm._call, export.device_id, event)
-            else:
-                _regions.move_to_end(key)
-            region.busy += 1
-            self._pinned.append(region)
+
+        def register() -> Region:
+            event, handle = cuda_ipc.ready_event(export.device_id)
+            name = self._regions.name(export.buffer_id)
+            self._client.register_region(pb.RegisterRegionRequest(
+                name=name, offset=0, byte_size=export.alloc_size, cuda_ipc=pb.CudaIpcHandle(
+                    mem_handle=export.mem_handle, device_id=export.device_id, event_handle=handle)),
+                session=self._session.id)
+            return Region(name, self._session, self._client, export.device_id, event)
+
+        region = self._regions.pin((self._session.id, export.buffer_id), register)
+        self._pinned.append(region)
         return region
 
     def _record(self, regions) -> None:
@@ -241,41 +206,8 @@ class DeviceStaging:
                 region.event.record(stream)
 
     def _free(self) -> None:
-        with _lock:
-            pinned, self._pinned = self._pinned, []
-            for region in pinned:
-                region.busy -= 1
-            _evict(max(MAX_REGIONS, 2 * len({id(r) for r in pinned})))
-
-
-def _forget_dead() -> None:
-    """Drops regions of ended sessions (the daemon released them) and, after a fork, the parent's."""
-    global _pid
-    with _lock:
-        if os.getpid() != _pid:
-            _pid = os.getpid()
-            _regions.clear()
-            _outputs.clear()
-            return
-        for key in [k for k, r in _regions.items() if not r.session.alive.is_set()]:
-            del _regions[key]
-
-
-def _evict(keep: int) -> None:
-    """Unregisters the least recently used idle regions beyond ``keep`` (per session)."""
-    counts = collections.Counter(key[0] for key in _regions)
-    for key in list(_regions):
-        region = _regions[key]
-        if counts[key[0]] <= keep:
-            continue
-        if region.busy:
-            continue
-        del _regions[key]
-        counts[key[0]] -= 1
-        if region.session.alive.is_set():
-            with contextlib.suppress(Exception):
-                region.call("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name),
-                            ((SESSION_METADATA, region.session.id),))
+        pinned, self._pinned = self._pinned, []
+        self._regions.unpin(pinned)
 
 
 class _Lease:
@@ -287,40 +219,6 @@ class _Lease:
         self.buffer = buffer
 
 
-class _OutputPool:
-    """Free output buffers (flat ``uint8`` CuPy arrays), per GPU."""
-
-    def __init__(self):
-        self._lock = threading.RLock()  # a finalizer may release while this thread acquires
-        self._free: dict[int, list[Any]] = {}
-
-    def acquire(self, cp, device_id: int, nbytes: int):
-        """A free buffer with at least ``nbytes`` usable past :data:`OUTPUT_ALIGNMENT` bytes of slack, or a new one."""
-        with self._lock:
-            free = self._free.get(device_id, [])
-            fits = [b for b in free if b.nbytes - OUTPUT_ALIGNMENT >= nbytes]
-            if fits:
-                buffer = min(fits, key=lambda b: b.nbytes)
-                free.remove(buffer)
-                return buffer
-        with cp.cuda.Device(device_id):
-            return cp.empty(max(MIN_OUTPUT_BYTES, 1 << (nbytes - 1).bit_length()) + OUTPUT_ALIGNMENT, cp.uint8)
-
-    def release(self, device_id: int, buffer) -> None:
-        with self._lock:
-            free = self._free.setdefault(device_id, [])
-            free.append(buffer)
-            while len(free) > FREE_OUTPUTS_KEPT:
-                free.remove(min(free, key=lambda b: b.nbytes))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
-_outputs = _OutputPool()
-
-
 def registered() -> list[str]:
     """Names of the CUDA IPC regions this process keeps registered, least recently used first.
 
@@ -328,5 +226,4 @@ def registered() -> list[str]:
         >>> isinstance(registered(), list)
         True
     """
-    with _lock:
-        return [r.name for r in _regions.values()]
+    return _runtime.default().cuda_regions.names()

@@ -11,8 +11,9 @@ from typing import Any
 
 import grpc
 
-from xreduce._client import Client, ProcessGroup, process_group, set_process_group
+from xreduce._client import Client
 from xreduce._errors import DeadlineExceededError, UnavailableError
+from xreduce._runtime import ProcessGroup, process_group, set_process_group
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire.devices import DeviceName
 
@@ -84,7 +85,7 @@ def list_devices(device_type: str | None = None) -> list[str]:
         (['cpu:0', 'cpu:1'], ['cpu:0', 'cpu:1'])
     """
     with Client(timeout=LIST_TIMEOUT) as client:
-        group = process_group()
+        group = process_group(client.address)
         if group is not None:
             by_type: dict[str, list[str]] = {}
             for name in group.global_devices:
@@ -306,7 +307,7 @@ class DistributionState:
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
         with Client(self._address, token=self._token) as client:
-            reply = client.call("JoinGroup", pb.JoinGroupRequest(
+            reply = client.join_group(pb.JoinGroupRequest(
                 group=name, num_processes=count, process_id=pid, devices=requested))
         return ProcessGroup(name, count, pid, tuple(reply.local_devices), tuple(reply.global_devices))
 
@@ -405,7 +406,7 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
         ValueError: process_id must be in [0, num_processes); got process_id=5, num_processes=2
     """
     info = _global_state.initialize(job_addresses, num_processes, process_id)
-    set_process_group(_global_state.group)
+    set_process_group(info.daemon_address, _global_state.group)  # the collectives of ops on that daemon join it
     return info
 
 
@@ -417,8 +418,10 @@ def shutdown() -> None:
         >>> is_initialized()
         False
     """
+    info = _global_state.info
     _global_state.shutdown()
-    set_process_group(None)
+    if info is not None:
+        set_process_group(info.daemon_address, None)
 
 
 def is_initialized() -> bool:

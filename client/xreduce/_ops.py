@@ -1,30 +1,32 @@
 """``CrossDeviceOps`` and its implementations, reproducing ``tf.distribute``'s.
 
-Client-side validation raises TF's error types and messages; the reduction
-itself runs in the daemon, whose errors arrive as :class:`xreduce.XReduceError`.
+The front: as TF's ``reduce`` validates, shortcuts and then calls
+``reduce_implementation``, each method here raises TF's client-side errors,
+takes TF's shortcuts (nothing to reduce, a value already where it goes),
+resolves the device names, and hands one :class:`~xreduce._call.ReduceCall`
+or :class:`~xreduce._call.BroadcastCall` to the transport layer
+(:mod:`xreduce._transports`), which picks the path and builds the request.
+The reduction itself runs in the daemon, whose errors arrive as
+:class:`xreduce.XReduceError`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from google.protobuf import duration_pb2
 
-from xreduce import _ipc, _shm, _streaming
+from xreduce import _transports
 from xreduce._arrays import device_of, is_tensor, to_host
-from xreduce._client import Client, process_group
-from xreduce._errors import XReduceError
-from xreduce._values import DistributedValues, Mirrored, PerReplica
-from xreduce.v1 import xreduce_pb2 as pb
-from xreduce.wire import codec
+from xreduce._call import Algorithm, BroadcastCall, Pair, ReduceCall
+from xreduce._client import Client
+from xreduce._options import ConnectionOptions, merge
+from xreduce._runtime import ProcessGroup, process_group
+from xreduce._values import DistributedValues, PerReplica
 from xreduce.wire.contract import mean_dtype
 from xreduce.wire.devices import canonical
-from xreduce.wire.framing import streamed_tensor
-from xreduce.wire.layout import output_layout
 
 _DEST_TYPE_ERROR = (
     "destinations must be one of a `DistributedValues` object, a tf.Variable object, or a device string."
@@ -53,7 +55,7 @@ class ReduceOp(enum.Enum):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
-        raise ValueError(f"`reduce_op` must be Reduce.SUM or Reduce.MEAN.; got {value!r}")
+        raise ValueError(f"`reduce_op` must be Reduce.SUM or Reduce.MEAN; got {value!r}")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -167,8 +169,10 @@ class CrossDeviceOps:
     Use :class:`HierarchicalCopyAllReduce` or :class:`ReductionToOneDevice`;
     both talk to the daemon at ``address`` (else ``XREDUCE_ADDRESS``, else the
     default), sending ``token`` (else ``XREDUCE_TOKEN``) with every call; TLS
-    follows ``XREDUCE_TLS_CA`` and friends (see :class:`xreduce.Client`).
-    Constructing one needs no running daemon.
+    follows ``XREDUCE_TLS_CA`` and friends (see :class:`xreduce.Client`), or
+    ``options``, a :class:`xreduce.ConnectionOptions` (keywords given win).
+    Constructing one needs no running daemon. In a multi-process job each
+    collective spans the group this process joined with the same daemon.
 
     Example:
         >>> ops = HierarchicalCopyAllReduce(num_packs=2, address="127.0.0.1:1", token="s3cret")
@@ -176,21 +180,26 @@ class CrossDeviceOps:
         2
     """
 
-    def __init__(self, address: str | None = None, token: str | None = None, transport: str | None = None):
-        self._client = Client(address, token=token, transport=transport)
+    def __init__(self, address: str | None = None, token: str | None = None, transport: str | None = None, *,
+                 options: ConnectionOptions | None = None):
+        self._client = Client(options=merge(options, address=address, token=token, transport=transport))
 
     @property
     def client(self) -> Client:
         """The connection to the daemon (opened on first use)."""
         return self._client
 
-    def _algorithm(self) -> dict:
+    def _algorithm(self) -> Algorithm:
         raise NotImplementedError(
             "CrossDeviceOps is abstract; use HierarchicalCopyAllReduce or ReductionToOneDevice"
         )
 
     def _accumulate(self) -> Callable | None:
         return None
+
+    def _group(self) -> ProcessGroup | None:
+        """The multi-process group this process joined with this ops' daemon, or None."""
+        return process_group(self._client.address)
 
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
                options: CommunicationOptions | None = None) -> Any:
@@ -262,52 +271,28 @@ class CrossDeviceOps:
             '/job:localhost/replica:0/task:0/device:CPU:2'
         """
         validate_destinations(destinations)
-        group = process_group()
-        names = self._local_names()
-        dests = self._destination_names(destinations, names)
-        request = pb.BroadcastRequest(destinations=dests)
-        restore = _writable_numpy
+        group = self._group()
+        names = self._local_names(group)
+        dests = tuple(self._destination_names(destinations, names))
+        restore, array, source_device = _writable_numpy, None, ""
         source = group is None or group.process_id == 0
         if source or tensor is not None:
             host = to_host(tensor)
             restore = host.restore
             if source:
-                request.source_device = canonical(host.device) if host.device else names[0]
-        with _collective(self._client, group) as spec:
-            if spec is not None:
-                request.collective.CopyFrom(spec)
-            shm = self._client.shared_memory() if source else None
-            free, result, metadata = (lambda: None), codec.decode, ()
-            try:
-                if shm is not None:
-                    try:
-                        (staged,), free = shm.stage([host.array])
-                        output, result = shm.output(
-                            output_layout([(len(dests), host.array.dtype, host.array.shape)]).nbytes)
-                    except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
-                        if self._client.transport == "shm":
-                            raise
-                        shm = None
-                if shm is not None:
-                    request.tensor.CopyFrom(staged)
-                    request.output.CopyFrom(output)
-                    metadata = shm.metadata()
-                elif source:
-                    request.tensor.CopyFrom(codec.encode(host.array))
-                reply = self._client.call("Broadcast", request, None, metadata)
-            finally:
-                free()
-        return _regroup(reply.result, restore, result)
+                array = host.array
+                source_device = canonical(host.device) if host.device else names[0]
+        with _transports.collective(self._client, group) as spec:
+            call = BroadcastCall(array, restore, source_device, dests, spec)
+            return _transports.choose(self._client, call).broadcast(call)
 
-    def _local_names(self) -> Sequence[str]:
-        """Fetched only if a value or destination needs them: a collective whose
-        devices are all named fails fast when the daemon is down."""
-        return _Lazy(self._fetch_local_names)
+    def _local_names(self, group: ProcessGroup | None) -> Sequence[str]:
+        """This process's devices: all the daemon's, or its share in a multi-process job.
 
-    def _fetch_local_names(self) -> Sequence[str]:
-        """This process's devices: all the daemon's, or its share in a multi-process job."""
-        group = process_group()
-        return group.local_devices if group is not None else self._client.device_names()
+        Fetched only if a value or destination needs them: a collective whose
+        devices are all named fails fast when the daemon is down.
+        """
+        return _Lazy(lambda: group.local_devices if group is not None else self._client.device_names())
 
     def _destination_names(self, destinations: Any, names: Sequence[str]) -> list[str]:
         if isinstance(destinations, DistributedValues):
@@ -319,127 +304,39 @@ class CrossDeviceOps:
             return [canonical(device) if device else names[0]]
         return [canonical(d) for d in destinations]
 
-    def _batch(self, op: ReduceOp, pairs, options, single: bool) -> list[Any]:
+    def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
+               options: CommunicationOptions | None, single: bool) -> list[Any]:
         options = options or CommunicationOptions()
-        group = process_group()
+        group = self._group()
         if not pairs and group is None:
             return []
-        names = self._local_names()
-        wire = []
-        for value, dest in pairs:
-            devices = value._resolve_devices(names)
-            wire.append((value, devices, self._destination_names(dest, names)))
+        names = self._local_names(group)
+        resolved = tuple(Pair(value, tuple(value._resolve_devices(names)), tuple(self._destination_names(dest, names)))
+                         for value, dest in pairs)
         accumulate = self._accumulate()
         if accumulate is not None:
             if group is not None:
                 raise ValueError("accumulation_fn runs in one process; it cannot reduce across the processes "
                                  f"of group {group.group!r}")
-            return [self._accumulated(op, accumulate, v, d) for v, _, d in wire]
+            return [self._accumulated(op, accumulate, pair) for pair in resolved]
         # TF's shortcut: one replica whose destinations are its own device (never across processes).
-        first = set(wire[0][1]) if wire else set()
-        if group is None and len(first) == 1 and all(set(devs) == set(dests) == first for _, devs, dests in wire):
-            return [_regroup_local(v) for v, _, _ in wire]
-        fields = dict(self._algorithm(), reduce_op=pb.ReduceOp.Value(f"REDUCE_OP_{op.value}"))
-        timeout = None
-        if options.timeout_seconds is not None:
-            fields["timeout"] = duration_pb2.Duration()
-            fields["timeout"].FromNanoseconds(int(options.timeout_seconds * 1e9))
-            timeout = options.timeout_seconds + 5.0  # the daemon's own deadline message comes first
-        with _collective(self._client, group) as spec:
-            if spec is not None:
-                fields["collective"] = spec
-            return self._batch_to_daemon(op, wire, fields, single, timeout, group)
+        first = set(resolved[0].devices) if resolved else set()
+        if group is None and len(first) == 1 and all(set(p.devices) == set(p.destinations) == first
+                                                     for p in resolved):
+            return [_regroup_local(p.value) for p in resolved]
+        algorithm = self._algorithm()
+        with _transports.collective(self._client, group) as spec:
+            call = ReduceCall(op.value, resolved, algorithm, options.timeout_seconds, spec, single)
+            return _transports.choose(self._client, call).reduce(call)
 
-    def _batch_to_daemon(self, op: ReduceOp, wire, fields: dict, single: bool, timeout: float | None,
-                         group) -> list[Any]:
-        shm = self._client.shared_memory()
-        if shm is not None:
-            try:
-                return self._batch_shm(shm, op, wire, fields, single, timeout)
-            except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
-                if self._client.transport == "shm":
-                    raise
-        if group is None:
-            hosts = [v.hosts() for v, _, _ in wire]
-            if sum(h.array.nbytes for hs in hosts for h in hs) > _streaming.STREAM_THRESHOLD_BYTES:
-                return self._batch_streamed(hosts, wire, fields, timeout)
-        values = [_encode_value(v, devs) for v, devs, _ in wire]
-        if single:
-            (value, _, dests), = wire
-            request = pb.ReduceRequest(value=values[0], destinations=dests, **fields)
-            reply = self._client.call("Reduce", request, timeout)
-            return [_regroup(reply.result, value.hosts()[0].restore)]
-        request = pb.BatchReduceRequest(
-            pairs=[pb.ReducePair(value=m, destinations=d) for m, (_, _, d) in zip(values, wire)], **fields
-        )
-        reply = self._client.call("BatchReduce", request, timeout)
-        return [_regroup(r.result, v.hosts()[0].restore) for r, (v, _, _) in zip(reply.results, wire)]
-
-    def _batch_streamed(self, hosts, wire, fields: dict, timeout: float | None) -> list[Any]:
-        """``_batch`` over ``ReduceStream``: large payloads in chunks, with no message limit."""
-        header = pb.BatchReduceRequest(pairs=[
-            pb.ReducePair(destinations=dests, value=pb.DistributedValue(components=[
-                pb.Component(device=d, tensor=streamed_tensor(h.array)) for d, h in zip(devs, hs)]))
-            for (_, devs, dests), hs in zip(wire, hosts)], **fields)
-        results = _streaming.stream_batch_reduce(self._client, header, [[h.array for h in hs] for hs in hosts],
-                                                 timeout)
-        out = []
-        for (_, components), hs in zip(results, hosts):
-            arrays = [hs[0].restore(a) for _, a in components]
-            out.append(arrays[0] if len(arrays) == 1 else Mirrored(arrays, devices=[d for d, _ in components]))
-        return out
-
-    def _batch_shm(self, shm: _shm.Transport, op: ReduceOp, wire, fields: dict, single: bool,
-                   timeout: float | None) -> list[Any]:
-        """``_batch`` through shared memory: regions in, results written into an output region.
-
-        CuPy values travel as CUDA IPC regions instead when the daemon can open them
-        (its backend is cupy, and it is not embedded in this process); the results
-        are then CuPy arrays on the first value's GPU.
-        """
-        raw = [list(v._values) for v, _, _ in wire]
-        ipc = _ipc.staging(shm, self._client.address, raw)
-        if ipc is not None:
-            arrays = [a for values in raw for a in values]
-            restores = [(lambda a: a)] * len(wire)
-            stage, make_output = ipc.stage, ipc.output
-        else:
-            hosts = [v.hosts() for v, _, _ in wire]
-            arrays = [h.array for hs in hosts for h in hs]
-            restores = [hs[0].restore for hs in hosts]
-            stage, make_output = shm.stage, shm.output
-        firsts = [values[0] for values in raw] if ipc is not None else [hs[0].array for hs in hosts]
-        tensors, free = stage(arrays)
-        try:
-            it = iter(tensors)
-            values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in devs])
-                      for (_, devs, _) in wire]
-            output, result = make_output(output_layout([
-                (len(dests), mean_dtype(first.dtype) if op is ReduceOp.MEAN else first.dtype, tuple(first.shape))
-                for (_, _, dests), first in zip(wire, firsts)
-            ]).nbytes)
-            metadata = shm.metadata()
-            if single:
-                (_, _, dests), = wire
-                request = pb.ReduceRequest(value=values[0], destinations=dests, output=output, **fields)
-                replies = [self._client.call("Reduce", request, timeout, metadata).result]
-            else:
-                request = pb.BatchReduceRequest(pairs=[pb.ReducePair(value=m, destinations=d)
-                                                       for m, (_, _, d) in zip(values, wire)], output=output, **fields)
-                replies = [r.result for r in self._client.call("BatchReduce", request, timeout, metadata).results]
-        finally:
-            free()
-        return [_regroup(r, restore, result) for r, restore in zip(replies, restores)]
-
-    def _accumulated(self, op: ReduceOp, accumulate: Callable, value: DistributedValues,
-                     dests: list[str]) -> Any:
-        arrays = [h.array for h in value.hosts()]
-        total = np.asarray(accumulate(arrays))
+    def _accumulated(self, op: ReduceOp, accumulate: Callable, pair: Pair) -> Any:
+        """``accumulation_fn`` over host copies of the value, here; the total broadcast to the destinations."""
+        hosts = pair.value.hosts()
+        total = np.asarray(accumulate([h.array for h in hosts]))
         if op is ReduceOp.MEAN:
-            total = _mean(total, len(arrays))
-        reply = self._client.call("Broadcast", pb.BroadcastRequest(
-            tensor=codec.encode(total), source_device=dests[0], destinations=dests))
-        return _regroup(reply.result, value.hosts()[0].restore)
+            total = _mean(total, len(hosts))
+        call = BroadcastCall(total, hosts[0].restore, pair.destinations[0], pair.destinations)
+        return _transports.choose(self._client, call).broadcast(call)
 
     def close(self) -> None:
         """Closes the connection to the daemon."""
@@ -449,40 +346,6 @@ class CrossDeviceOps:
 def _mean(total: np.ndarray, n: int) -> np.ndarray:
     f = mean_dtype(total.dtype).type
     return (total.astype(f) if total.dtype.kind in "iu" else total) / f(n)
-
-
-def _encode_value(value: DistributedValues, devices: Sequence[str]) -> pb.DistributedValue:
-    return pb.DistributedValue(components=[
-        pb.Component(device=d, tensor=codec.encode(h.array)) for d, h in zip(devices, value.hosts())
-    ])
-
-
-@contextlib.contextmanager
-def _collective(client: Client, group):
-    """The next collective of this process's group (None without one), its sequence number
-    taken first: when something fails on this side before the daemon answers, the collective
-    is abandoned for every process (they get AbortedError at once) instead of the next call
-    of this process meeting the others' current one."""
-    spec = group.next_spec() if group is not None else None
-    try:
-        yield spec
-    except XReduceError:
-        # The daemon answered: it failed the collective for the others where it must. (A refusal before
-        # the collective call, e.g. of a region, leaves the others to their timeout; the number is spent.)
-        raise
-    except BaseException:
-        if spec is not None:
-            # A request the daemon rejects (no reduce op) fails the collective for every process.
-            with contextlib.suppress(Exception):
-                client.call("BatchReduce", pb.BatchReduceRequest(collective=spec), 10.0)
-        raise
-
-
-def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:
-    arrays = [restore(decode(c.tensor)) for c in result.components]
-    if len(arrays) == 1:
-        return arrays[0]
-    return Mirrored(arrays, devices=[c.device for c in result.components])
 
 
 class _Lazy(Sequence):
@@ -524,6 +387,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         token: the daemon's bearer token (``--auth-token-file``); default
             ``XREDUCE_TOKEN``, else none.
         transport: ``"auto"``, ``"shm"`` or ``"wire"``; see :class:`xreduce.Client`.
+        options: the connection settings as one :class:`xreduce.ConnectionOptions`.
 
     Raises:
         ValueError: ``num_packs`` < 0, with TF's message.
@@ -534,17 +398,21 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         ...
         ValueError: HierarchicalCopy requires num_packs >= 0, but -1 is specified
         >>> ops = HierarchicalCopyAllReduce(address="10.0.0.5:50551", token="s3cret")  # a remote daemon
+        >>> import xreduce
+        >>> remote = xreduce.ConnectionOptions(address="10.0.0.5:50551", token="s3cret", transport="wire")
+        >>> HierarchicalCopyAllReduce(num_packs=2, options=remote).client.address
+        '10.0.0.5:50551'
     """
 
     def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None,
-                 transport: str | None = None):
+                 transport: str | None = None, *, options: ConnectionOptions | None = None):
         if num_packs < 0:
             raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
-        super().__init__(address, token, transport)
+        super().__init__(address, token, transport, options=options)
         self.num_packs = num_packs
 
-    def _algorithm(self) -> dict:
-        return {"algorithm": pb.ALGORITHM_HIERARCHICAL_COPY, "num_packs": self.num_packs}
+    def _algorithm(self) -> Algorithm:
+        return Algorithm("hierarchical_copy", num_packs=self.num_packs)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -559,6 +427,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         address: the daemon.
         token: the daemon's bearer token; default ``XREDUCE_TOKEN``, else none.
         transport: ``"auto"``, ``"shm"`` or ``"wire"``; see :class:`xreduce.Client`.
+        options: the connection settings as one :class:`xreduce.ConnectionOptions`.
 
     Example:
         >>> ReductionToOneDevice(reduce_to_device="gpu:1").reduce_to_device
@@ -567,16 +436,16 @@ class ReductionToOneDevice(CrossDeviceOps):
     """
 
     def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None,
-                 address: str | None = None, token: str | None = None, transport: str | None = None):
-        super().__init__(address, token, transport)
+                 address: str | None = None, token: str | None = None, transport: str | None = None, *,
+                 options: ConnectionOptions | None = None):
+        super().__init__(address, token, transport, options=options)
         self.reduce_to_device = canonical(reduce_to_device) if reduce_to_device is not None else None
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise ValueError(f"accumulation_fn must be callable; got {accumulation_fn!r}")
         self.accumulation_fn = accumulation_fn
 
-    def _algorithm(self) -> dict:
-        return {"algorithm": pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE,
-                "reduce_to_device": self.reduce_to_device or ""}
+    def _algorithm(self) -> Algorithm:
+        return Algorithm("reduction_to_one_device", reduce_to_device=self.reduce_to_device or "")
 
     def _accumulate(self) -> Callable | None:
         return self.accumulation_fn

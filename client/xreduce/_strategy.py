@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from xreduce._client import process_group
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
+from xreduce._runtime import ProcessGroup, process_group
 from xreduce._values import DistributedValues, PerReplica
 from xreduce.wire.devices import canonical
 
@@ -117,7 +117,7 @@ class MirroredExtended:
         op = ReduceOp.from_value(reduce_op)
         if not isinstance(value, DistributedValues):
             local = self.worker_devices
-            if process_group() is None or len(local) != 1:
+            if self._strategy._group() is None or len(local) != 1:
                 return reduce_non_distributed_value(op, value, self._strategy.num_replicas_in_sync)
             # One local replica of a multi-process job: the value is that replica's.
             value = PerReplica([value], devices=local)
@@ -172,16 +172,20 @@ class MirroredStrategy:
         self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address, token=token)
         self.extended = MirroredExtended(self)
 
+    def _group(self) -> ProcessGroup | None:
+        """The multi-process group this process joined with the daemon of ``cross_device_ops``, or None."""
+        return process_group(self.cross_device_ops.client.address)
+
     def _devices(self) -> tuple[str, ...]:
         if self._device_names is None:
-            group = process_group()
+            group = self._group()
             names = group.local_devices if group else self.cross_device_ops.client.device_names()
             self._device_names = tuple(names)
         return self._device_names
 
     def _first_replica_id(self) -> int:
         """The global id of this process's first replica."""
-        group = process_group()
+        group = self._group()
         if group is None:
             return 0
         first = self._devices()[0]
@@ -190,7 +194,7 @@ class MirroredStrategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """One replica per device, over every process of a multi-process job."""
-        group = process_group()
+        group = self._group()
         return len(group.global_devices) if group else len(self._devices())
 
     @contextlib.contextmanager
@@ -230,9 +234,11 @@ class MirroredStrategy:
         """
         op = ReduceOp.from_value(reduce_op)
         if not isinstance(value, DistributedValues):
-            if process_group() is None or len(self._devices()) != 1:
+            if self._group() is None or len(self._devices()) != 1:
                 return reduce_non_distributed_value(op, value, self.num_replicas_in_sync)
             value = PerReplica([value], devices=self._devices())
+        if value._devices is None:  # made without devices: it is on the strategy's first devices
+            value._resolve_devices(self._devices())
         first = value.devices[0]
         if axis is None:
             return self.extended.reduce_to(op, value, first)

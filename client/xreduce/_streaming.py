@@ -17,19 +17,16 @@ reduce yet.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
-import grpc
 import numpy as np
 
-from xreduce._errors import InternalError, from_rpc_error
+from xreduce._errors import InternalError
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
-from xreduce.wire.contract import method_path
 from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, chunk_message
-
-METHOD = method_path("ReduceStream")
 
 STREAM_THRESHOLD_BYTES = 256 << 10
 """Above this many bytes of tensor data in a request, stream it (:func:`stream_batch_reduce`)
@@ -56,10 +53,6 @@ def _requests(header: pb.BatchReduceRequest, views: list[list[memoryview]],
                 start = r * step
                 if start < len(v):
                     yield chunk_message(p, c, start, v[start:start + step])
-
-
-def _serialize(message) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def _check_arrays(header: pb.BatchReduceRequest, arrays: Sequence[Sequence[np.ndarray]]) -> None:
@@ -182,12 +175,8 @@ def stream_batch_reduce(
     _check_arrays(header, arrays)
     views = [[_byte_view(a) for a in comps] for comps in arrays]
     steps = [[_step(a, chunk_bytes) for a in comps] for comps in arrays]
-    call = client._get_channel().stream_stream(
-        METHOD, request_serializer=_serialize, response_deserializer=pb.ReduceStreamResponse.FromString)
-    responses = call(_requests(header, views, steps), timeout=client.timeout if timeout is None else timeout,
-                     metadata=client._metadata())
     reply = None
-    try:
+    with contextlib.closing(client.reduce_stream(_requests(header, views, steps), timeout)) as responses:
         for message in responses:
             if reply is None:
                 if message.WhichOneof("kind") != "header":
@@ -197,10 +186,6 @@ def stream_batch_reduce(
                 reply.write(message.chunk)
             else:
                 raise InternalError("ReduceStream reply: a second header")
-    except grpc.RpcError as e:
-        raise from_rpc_error(e, client.address) from None
-    finally:
-        responses.cancel()  # a no-op once the call ended; stops the stream if reading failed
     if reply is None:
         raise InternalError("ReduceStream reply: the daemon sent no header")
     return reply.results()

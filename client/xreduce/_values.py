@@ -62,12 +62,25 @@ class DistributedValues:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Canonical device names, one per value."""
-        if self._devices is None:
-            from xreduce._client import Client
+        """Canonical device names, one per value.
 
-            with Client() as client:
-                self._devices = tuple(client.device_names()[: len(self._values)])
+        Raises:
+            ValueError: the value was made without ``devices`` and has not been
+                reduced yet: its devices are the daemon's first ones, known once
+                a cross-device op (which knows its daemon) has used it.
+
+        Example:
+            >>> import numpy as np
+            >>> PerReplica([np.zeros(2)]).devices
+            Traceback (most recent call last):
+            ...
+            ValueError: PerReplica was made without devices: they are the daemon's first 1, ...
+        """
+        if self._devices is None:
+            raise ValueError(
+                f"{type(self).__name__} was made without devices: they are the daemon's first {len(self._values)}, "
+                "known once a CrossDeviceOps has used the value; give devices= to name them"
+            )
         return self._devices
 
     def _resolve_devices(self, names: Sequence[str]) -> tuple[str, ...]:

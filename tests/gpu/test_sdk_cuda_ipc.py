@@ -38,7 +38,7 @@ WORKER_SHAPE = (129, 3)
 
 
 def _reason() -> str | None:
-    from xreduce import _shm
+    from xreduce import _segments as _shm
     from xreduced.backends import cupy_backend
 
     if not _shm.available():
@@ -117,10 +117,9 @@ def _same(got, want, what: str) -> None:
 
 def _regions(ops) -> dict[str, str]:
     """The daemon's regions of this process's session: name -> kind."""
-    from xreduce.v1 import xreduce_pb2 as pb
 
     shm = ops.client.shared_memory()
-    reply = ops.client.call("ListRegions", pb.ListRegionsRequest(), None, shm.metadata())
+    reply = ops.client.list_regions(session=shm.session_id())
     return {r.name: r.kind for r in reply.regions}
 
 
@@ -215,7 +214,7 @@ def test_calls_reuse_regions_and_output_buffers(daemon):
 def test_other_values_take_the_host_path(daemon):
     import cupy
     import xreduce
-    from xreduce import _client, _ipc
+    from xreduce import _ipc, _runtime
     from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 
     shm, wire = _ops(daemon, "shm"), _ops(daemon, "wire")
@@ -239,11 +238,8 @@ def test_other_values_take_the_host_path(daemon):
     assert _ipc.staging(transport, daemon.address, [xs]) is not None
     assert _ipc.staging(transport, daemon.address, [xs[:1] + hosts[1:]]) is None, "a mix of CuPy and numpy"
     assert _ipc.staging(transport, daemon.address, [[cupy.zeros(0, cupy.float32)] * 4]) is None, "empty arrays"
-    _client._embedded_address.append(daemon.address)
-    try:
+    with _runtime.default().embedding(daemon.address):
         assert _ipc.staging(transport, daemon.address, [xs]) is None, "a daemon in this process"
-    finally:
-        _client._embedded_address.remove(daemon.address)
 
     with xreduce.serve_embedded(virtual_devices=4, backend="cupy"):
         got = HierarchicalCopyAllReduce(transport="shm").reduce("sum", PerReplica(xs, devices=DEVICES), DEVICES)
@@ -359,9 +355,8 @@ def _worker(config: dict) -> None:
     os.environ["XREDUCE_GROUP"] = config["group"]
     import cupy
     from xreduce import _ipc, distribution
-    from xreduce._client import process_group
+    from xreduce._runtime import process_group
     from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
-    from xreduce.v1 import xreduce_pb2 as pb
 
     distribution.initialize(num_processes=2, process_id=config["process_id"])
     try:
@@ -381,7 +376,7 @@ def _worker(config: dict) -> None:
                 "dtype": str(x.dtype), "shape": list(x.shape), "hex": cupy.asnumpy(x).tobytes().hex(),
             } for x in _values(result)])
         shm = ops.client.shared_memory()
-        listed = ops.client.call("ListRegions", pb.ListRegionsRequest(), None, shm.metadata())
+        listed = ops.client.list_regions(session=shm.session_id())
         regions = [[r.name, r.kind] for r in listed.regions]
     finally:
         distribution.shutdown()

@@ -455,7 +455,7 @@ def test_one_device_gives_an_array(embedded):
          "per_replica_grads has 3 values but the distribution has 2 devices ['cpu:0', 'cpu:1']"),
         ([PerReplica([np.zeros(1)] * 2), PerReplica([np.zeros(1)])], "mean", ValueError,
          "per_replica_grads[1] has 1 values but the distribution has 2 devices ['cpu:0', 'cpu:1']"),
-        (PerReplica([np.zeros(1)] * 2), "max", ValueError, "`reduce_op` must be Reduce.SUM or Reduce.MEAN.; got 'max'"),
+        (PerReplica([np.zeros(1)] * 2), "max", ValueError, "`reduce_op` must be Reduce.SUM or Reduce.MEAN; got 'max'"),
     ],
     ids=["not-a-list", "array", "too-many", "too-few", "max"],
 )

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from hypothesis import HealthCheck, given, settings
-from xreduce import _shm
+from xreduce import _segments as _shm
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce_bench import fuzzing as fuzz
 

@@ -98,7 +98,7 @@ def test_the_same_sdk_objects_work_after_sigkill_and_restart(restartable):
               f"{time.monotonic() - started:.3f}s")
     started = time.monotonic()
     with pytest.raises(xreduce.UnavailableError, match=address):
-        client.call("Broadcast", pb.BroadcastRequest(destinations=["CPU:0"]))
+        client.broadcast(pb.BroadcastRequest(destinations=["CPU:0"]))
     print(f"Broadcast with the daemon down: UnavailableError after {time.monotonic() - started:.3f}s")
 
     proc = restartable.start()

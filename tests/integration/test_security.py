@@ -156,7 +156,7 @@ def _reduced(ops) -> list[float]:
 
 def _broadcast(client: xreduce.Client):
     """A collective: never retried, so a rejected connection fails at once."""
-    return client.call("Broadcast", pb.BroadcastRequest(destinations=["CPU:0"]), timeout=10)
+    return client.broadcast(pb.BroadcastRequest(destinations=["CPU:0"]), timeout=10)
 
 
 # --- TLS -------------------------------------------------------------------------------------------------------

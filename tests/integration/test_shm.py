@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import xreduce
 from children import child_env
-from xreduce import _shm
+from xreduce import _segments, _shared_arrays, _shared_memory
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import SESSION_METADATA
 from xreduce_bench.daemon import DaemonProcess
 
-pytestmark = pytest.mark.skipif(not _shm.available(), reason="no POSIX shared memory (/dev/shm) on this host")
+pytestmark = pytest.mark.skipif(not _segments.available(), reason="no POSIX shared memory (/dev/shm) on this host")
 
 F32 = pb.DATA_TYPE_FLOAT32
 DEVICES = ["CPU:0", "CPU:1"]
@@ -49,21 +49,21 @@ class Session:
         request = pb.OpenSessionRequest()
         self.probe = None
         if probe:
-            self.probe = _shm.Segment(64, "xrt")
+            self.probe = _segments.Segment(64, "xrt")
             request.probe_shm_key = self.probe.name
             request.probe_nonce = b"n" * 16
             self.probe.base[:16] = ord("n")
         self.stream = stub.OpenSession(request, timeout=60)
         self.first = next(self.stream)
         self.id = self.first.session_id
-        self.segments: list[_shm.Segment] = []
+        self.segments: list[_segments.Segment] = []
 
     @property
     def md(self):
         return ((SESSION_METADATA, self.id),)
 
-    def segment(self, size: int, name: str | None = None) -> _shm.Segment:
-        seg = _shm.Segment(size, "xrt")
+    def segment(self, size: int, name: str | None = None) -> _segments.Segment:
+        seg = _segments.Segment(size, "xrt")
         self.segments.append(seg)
         self.stub.RegisterRegion(pb.RegisterRegionRequest(name=name or seg.name, shm_key=seg.name, byte_size=size),
                                  metadata=self.md, timeout=10)
@@ -315,8 +315,8 @@ from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 x = [xreduce.shared_array(1000, "float32") for _ in range(2)]
 ops = HierarchicalCopyAllReduce(address={d.address!r}, transport="shm")
 ops.reduce("sum", PerReplica(x, devices=["CPU:0", "CPU:1"]), "CPU:0")
-from xreduce import _shm
-print(" ".join(_shm.find(a)[0] for a in x), flush=True)
+from xreduce import _shared_arrays
+print(" ".join(_shared_arrays.find(a)[0] for a in x), flush=True)
 sys.stdin.read()
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -357,7 +357,7 @@ def test_the_sdk_sends_no_tensor_bytes_over_shared_memory(d, stub, monkeypatch, 
 
 
 def test_shared_arrays_are_not_copied_and_results_are_views_of_the_output(d, stub, monkeypatch):
-    n = _shm.COPY_RESULTS_UP_TO // 4 + 1024  # results over the copy threshold stay views of the output
+    n = _shared_memory.COPY_RESULTS_UP_TO // 4 + 1024  # results over the copy threshold stay views of the output
     a, b = xreduce.shared_array(n, "float32"), xreduce.shared_array(n, "float32")
     a[:], b[:] = 1.0, 2.0
     ops = HierarchicalCopyAllReduce(address=d.address, transport="shm")
@@ -368,9 +368,8 @@ def test_shared_arrays_are_not_copied_and_results_are_views_of_the_output(d, stu
     got = ops.reduce("sum", PerReplica([a, b], devices=DEVICES), DEVICES)
     assert got.values[0].tolist() == [3.0] * n
     assert staged == [], "nothing was copied into staging"
-    names = [r.name for r in stub.ListRegions(pb.ListRegionsRequest(), metadata=transport.metadata(),
-                                              timeout=10).regions]
-    assert _shm.find(a)[0] in names and _shm.find(b)[0] in names
+    names = [r.name for r in ops.client.list_regions(10, session=transport.session_id()).regions]
+    assert _shared_arrays.find(a)[0] in names and _shared_arrays.find(b)[0] in names
     small = ops.reduce("sum", PerReplica([np.ones(4), np.ones(4)], devices=DEVICES), DEVICES)
     assert staged == [64 + 32], "plain arrays are staged"
     assert small.values[0].base is None, "a small result is copied out: it pins no segment"
@@ -378,10 +377,10 @@ def test_shared_arrays_are_not_copied_and_results_are_views_of_the_output(d, stu
     # A result keeps its output segment busy: the next call gets another one, and the first stays intact.
     again = ops.reduce("sum", PerReplica([b, b], devices=DEVICES), DEVICES)
     assert again.values[0][0] == 4.0 and got.values[0][0] == 3.0
-    a_name = _shm.find(a)[0]
+    a_name = _shared_arrays.find(a)[0]
     del a, got
-    assert wait_until(lambda: a_name not in [r.name for r in stub.ListRegions(
-        pb.ListRegionsRequest(), metadata=transport.metadata(), timeout=10).regions]), "freed arrays are unregistered"
+    assert wait_until(lambda: a_name not in [r.name for r in ops.client.list_regions(
+        10, session=transport.session_id()).regions]), "freed arrays are unregistered"
 
 
 def test_transport_names_are_checked(monkeypatch):
@@ -459,7 +458,7 @@ def test_a_forked_child_leaves_its_parents_segments_alone(d):
     segments and regions must survive it. Run in a fresh process, away from pytest's threads."""
     code = f"""
 import os, sys, numpy as np, xreduce
-from xreduce import _shm
+from xreduce import _shared_arrays
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 x = xreduce.shared_array(1000, "float32")
 x[:] = 2.0
@@ -471,7 +470,7 @@ if pid == 0:
     del value, x
     sys.exit(0)  # a normal exit: atexit handlers and finalizers run in the child
 _, status = os.waitpid(pid, 0)
-print(status, os.path.exists("/dev/shm/" + _shm.find(x)[0]), ops.reduce("sum", value, "CPU:0")[0], flush=True)
+print(status, os.path.exists("/dev/shm/" + _shared_arrays.find(x)[0]), ops.reduce("sum", value, "CPU:0")[0], flush=True)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(),
                           timeout=60)
@@ -537,17 +536,17 @@ def _desync_worker(address: str, group: str, pid: int, fail: bool, queue) -> Non
 
     info = distribution.initialize(num_processes=2, process_id=pid)
     del info
-    from xreduce._client import process_group
+    from xreduce._runtime import process_group
 
     devices = list(process_group().local_devices)
     if fail:
-        stage = _shm.Transport.stage
+        stage = _shared_memory.SharedMemory.stage
 
         def full_once(self, arrays):
-            _shm.Transport.stage = stage
+            _shared_memory.SharedMemory.stage = stage
             raise OSError(28, "No space left on device")
 
-        _shm.Transport.stage = full_once
+        _shared_memory.SharedMemory.stage = full_once
     ops = HierarchicalCopyAllReduce(transport="shm")
     out = []
     for step in range(3):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 from xreduce import Client
-from xreduce._client import process_group
+from xreduce._runtime import process_group
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc

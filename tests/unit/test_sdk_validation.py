@@ -38,7 +38,7 @@ def test_reduce_op_strings_any_case_and_bad_ones():
     assert ReduceOp.from_value("Sum") is ReduceOp.SUM
     assert ReduceOp.from_value(ReduceOp.MEAN) is ReduceOp.MEAN
     for bad in ("bogus", None, 1):
-        with pytest.raises(ValueError, match=r"`reduce_op` must be Reduce.SUM or Reduce.MEAN.; got"):
+        with pytest.raises(ValueError, match=r"`reduce_op` must be Reduce.SUM or Reduce.MEAN; got"):
             ReduceOp.from_value(bad)
 
 

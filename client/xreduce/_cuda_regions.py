@@ -1,0 +1,145 @@
+"""The CUDA IPC regions this process keeps registered with its daemons, and its free output buffers.
+
+Nothing here imports CuPy: the buffers and events are handed in by
+:mod:`xreduce._ipc`, which does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.layout import OUTPUT_ALIGNMENT
+
+MAX_REGIONS = 64
+"""CUDA IPC regions a process keeps registered per daemon session (more for a call using over half as many)."""
+FREE_OUTPUTS_KEPT = 4
+"""Free output buffers per GPU kept for the next calls."""
+MIN_OUTPUT_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """One registered allocation: its region name, the session and client it was registered with,
+    its ready event, and how many calls use it now."""
+
+    name: str
+    session: Any  # xreduce._session.Session
+    client: Any  # xreduce.Client
+    device_id: int
+    event: Any  # cupy.cuda.Event, interprocess
+    busy: int = 0
+
+
+class OutputPool:
+    """Free output buffers (flat ``uint8`` CuPy arrays), per GPU."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # a finalizer may release while this thread acquires
+        self._free: dict[int, list[Any]] = {}
+
+    def acquire(self, cp, device_id: int, nbytes: int):
+        """A free buffer with at least ``nbytes`` usable past :data:`OUTPUT_ALIGNMENT` bytes of slack, or a new one."""
+        with self._lock:
+            free = self._free.get(device_id, [])
+            fits = [b for b in free if b.nbytes - OUTPUT_ALIGNMENT >= nbytes]
+            if fits:
+                buffer = min(fits, key=lambda b: b.nbytes)
+                free.remove(buffer)
+                return buffer
+        with cp.cuda.Device(device_id):
+            return cp.empty(max(MIN_OUTPUT_BYTES, 1 << (nbytes - 1).bit_length()) + OUTPUT_ALIGNMENT, cp.uint8)
+
+    def release(self, device_id: int, buffer) -> None:
+        """Takes ``buffer`` back; keeps the largest :data:`FREE_OUTPUTS_KEPT` per GPU."""
+        with self._lock:
+            free = self._free.setdefault(device_id, [])
+            free.append(buffer)
+            while len(free) > FREE_OUTPUTS_KEPT:
+                free.remove(min(free, key=lambda b: b.nbytes))
+
+    def clear(self) -> None:
+        """Lets every free buffer go."""
+        with self._lock:
+            self._free.clear()
+
+
+class CudaRegions:
+    """Registered CUDA IPC regions by (session id, driver buffer id), least recently used first,
+    and the free output buffers.
+
+    Example:
+        >>> regions = CudaRegions()
+        >>> region = regions.pin(("s1", 7), lambda: Region("ipc-1-7-0", None, None, 0, None))
+        >>> regions.names(), region.busy
+        (['ipc-1-7-0'], 1)
+        >>> regions.unpin([region]); region.busy
+        0
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._numbers = itertools.count()
+        self._regions: collections.OrderedDict[tuple[str, int], Region] = collections.OrderedDict()
+        self.outputs = OutputPool()
+
+    def name(self, buffer_id: int) -> str:
+        """A new region name for an allocation of this process."""
+        return f"ipc-{os.getpid()}-{buffer_id}-{next(self._numbers)}"
+
+    def pin(self, key: tuple[str, int], register: Callable[[], Region]) -> Region:
+        """The region of ``key``, registered now (``register()``) if needed, marked most recently used and busy."""
+        with self._lock:
+            region = self._regions.get(key)
+            if region is None:
+                region = self._regions[key] = register()
+            else:
+                self._regions.move_to_end(key)
+            region.busy += 1
+        return region
+
+    def unpin(self, regions: Iterable[Region]) -> None:
+        """The calls using ``regions`` returned: unregisters the least recently used idle regions of each
+        session beyond :data:`MAX_REGIONS`, or beyond twice the regions that call used if more."""
+        with self._lock:
+            regions = list(regions)
+            for region in regions:
+                region.busy -= 1
+            self._evict(max(MAX_REGIONS, 2 * len({id(r) for r in regions})))
+
+    def _evict(self, keep: int) -> None:
+        counts = collections.Counter(key[0] for key in self._regions)
+        for key in list(self._regions):
+            region = self._regions[key]
+            if counts[key[0]] <= keep or region.busy:
+                continue
+            del self._regions[key]
+            counts[key[0]] -= 1
+            if region.session.alive.is_set():
+                with contextlib.suppress(Exception):
+                    region.client.unregister_region(pb.UnregisterRegionRequest(name=region.name),
+                                                    session=region.session.id)
+
+    def forget_dead(self) -> None:
+        """Drops regions of ended sessions (the daemon released them) and, after a fork, the parent's."""
+        with self._lock:
+            if os.getpid() != self._pid:
+                self._pid = os.getpid()
+                self._regions.clear()
+                self.outputs.clear()
+                return
+            for key in [k for k, r in self._regions.items() if not r.session.alive.is_set()]:
+                del self._regions[key]
+
+    def names(self) -> list[str]:
+        """Names of the registered regions, least recently used first."""
+        with self._lock:
+            return [r.name for r in self._regions.values()]

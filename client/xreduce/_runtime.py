@@ -1,0 +1,214 @@
+"""What the SDK keeps for this process, in one object, with one default instance (JAX's ``State`` pattern).
+
+:class:`Runtime` holds the embedded daemons, the multi-process group joined
+with each daemon, the shared-memory sessions with each daemon, the
+:func:`xreduce.shared_array` segments, the queue of segment releases and the
+CUDA IPC regions. The SDK uses :func:`default`; tests make fresh instances.
+
+Teardown order, at exit (:meth:`Runtime.close_sessions`): run the queued
+releases first (they unregister freed segments through the sessions), then
+close the sessions (the daemon releases their regions) and unlink their
+segments. In a forked child (:meth:`Runtime.after_fork_in_child`) the sessions
+and threads of the parent are gone; its segments stay the parent's to free.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
+
+from xreduce._cuda_regions import CudaRegions
+from xreduce._segments import Releases, SharedArrays
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.contract import DEFAULT_ADDRESS
+
+ENV_ADDRESS = "XREDUCE_ADDRESS"
+"""The daemon's address, when none is given and no embedded daemon runs."""
+
+
+@dataclasses.dataclass
+class ProcessGroup:
+    """This process's place in a multi-process job, as the daemon's JoinGroup gave it.
+
+    Every collective call of the SDK in this process takes the next sequence
+    number, so the k-th collective of every process meets the others' k-th.
+
+    Example:
+        >>> pg = ProcessGroup("train", 2, 1, ("/cpu:1",), ("/cpu:0", "/cpu:1"))
+        >>> [pg.next_spec().sequence for _ in range(2)]
+        [0, 1]
+    """
+
+    group: str
+    num_processes: int
+    process_id: int
+    local_devices: tuple[str, ...]
+    global_devices: tuple[str, ...]
+    _counter: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def next_spec(self) -> pb.CollectiveSpec:
+        """The ``CollectiveSpec`` of this process's next collective."""
+        with self._lock:
+            sequence = next(self._counter)
+        return pb.CollectiveSpec(group=self.group, num_processes=self.num_processes,
+                                 process_id=self.process_id, sequence=sequence)
+
+
+class Closeable(Protocol):
+    """A per-daemon object the runtime ends at exit."""
+
+    def close(self) -> None:
+        """Releases what the object holds in the daemon and on this host."""
+
+
+T = TypeVar("T", bound=Closeable)
+
+
+class Runtime:
+    """The SDK's state for one process.
+
+    Example:
+        >>> rt = Runtime()
+        >>> with rt.embedding("unix:/tmp/a.sock"):
+        ...     rt.resolve_address(), rt.resolve_address("127.0.0.1:1")
+        ('unix:/tmp/a.sock', '127.0.0.1:1')
+        >>> rt.set_process_group("unix:/tmp/a.sock", ProcessGroup("g", 2, 0, ("/cpu:0",), ("/cpu:0", "/cpu:1")))
+        >>> rt.process_group("unix:/tmp/a.sock").group, rt.process_group("unix:/tmp/b.sock")
+        ('g', None)
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._embedded: list[str] = []  # innermost last
+        self._groups: dict[str, ProcessGroup] = {}
+        self._sessions: dict[tuple, Closeable] = {}
+        self.releases = Releases()
+        """Work that finalizers of segments hand over."""
+        self.shared_arrays = SharedArrays(self.releases)
+        """The segments of :func:`xreduce.shared_array`."""
+        self.cuda_regions = CudaRegions()
+        """The CUDA IPC regions registered with the daemons, and the free output buffers."""
+
+    # --- where the daemon is ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def embedding(self, address: str) -> Iterator[str]:
+        """Inside the block, ``address`` is a daemon embedded in this process (innermost wins)."""
+        with self._lock:
+            self._embedded.append(address)
+        try:
+            yield address
+        finally:
+            with self._lock:
+                self._embedded.remove(address)
+
+    def is_embedded(self, address: str) -> bool:
+        """Whether the daemon at ``address`` runs in this process (:func:`xreduce.serve_embedded`)."""
+        return address in self._embedded
+
+    def resolve_address(self, address: str | None = None) -> str:
+        """``address``, else the innermost embedded daemon, else ``XREDUCE_ADDRESS``, else the default."""
+        if address:
+            return address
+        with self._lock:
+            if self._embedded:
+                return self._embedded[-1]
+        return os.environ.get(ENV_ADDRESS) or DEFAULT_ADDRESS
+
+    # --- multi-process groups, one per daemon ------------------------------------------------------------------
+
+    def process_group(self, address: str) -> ProcessGroup | None:
+        """The group this process joined with the daemon at ``address``, or None."""
+        with self._lock:
+            return self._groups.get(address)
+
+    def set_process_group(self, address: str, group: ProcessGroup | None) -> None:
+        """Installs (or, with None, removes) this process's group with the daemon at ``address``."""
+        with self._lock:
+            if group is None:
+                self._groups.pop(address, None)
+            else:
+                self._groups[address] = group
+
+    # --- shared-memory sessions, one per daemon and credentials -----------------------------------------------
+
+    def shared_memory(self, key: tuple, make: Callable[[], T]) -> T:
+        """The object kept for ``key`` (a daemon and its credentials), made by ``make()`` on first use."""
+        with self._lock:
+            found = self._sessions.get(key)
+            if found is None:
+                found = self._sessions[key] = make()
+            return found
+
+    def close_sessions(self) -> None:
+        """Ends every session of this process and unlinks its segments (also run at exit)."""
+        self.releases.drain()
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for session in sessions:
+            with contextlib.suppress(Exception):
+                session.close()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has none of its parent's sessions or threads; locks start free.
+
+        Embedded addresses and groups stay: the child's calls still name the same daemons.
+        """
+        self._lock = threading.Lock()
+        self._sessions.clear()
+        self.releases.after_fork_in_child()
+        self.shared_arrays.after_fork_in_child()
+
+
+_default = Runtime()
+
+
+def default() -> Runtime:
+    """The runtime the SDK uses.
+
+    Example:
+        >>> default() is default()
+        True
+    """
+    return _default
+
+
+def resolve_address(address: str | None = None) -> str:
+    """Where the SDK finds its daemon.
+
+    An explicit ``address`` wins, then a running :func:`xreduce.serve_embedded`,
+    then ``XREDUCE_ADDRESS``, then :data:`xreduce.DEFAULT_ADDRESS`. ``unix:PATH`` works.
+
+    Example:
+        >>> resolve_address("unix:/tmp/x.sock")
+        'unix:/tmp/x.sock'
+    """
+    return _default.resolve_address(address)
+
+
+def process_group(address: str | None = None) -> ProcessGroup | None:
+    """The multi-process job this process joined (``xreduce.distribution.initialize``) with the
+    daemon at ``address`` (see :func:`resolve_address`), or None.
+
+    Example:
+        >>> process_group("127.0.0.1:1") is None
+        True
+    """
+    return _default.process_group(resolve_address(address))
+
+
+def set_process_group(address: str, group: ProcessGroup | None) -> None:
+    """Installs (or, with None, removes) this process's multi-process job with the daemon at ``address``."""
+    _default.set_process_group(address, group)
+
+
+atexit.register(lambda: _default.close_sessions())
+os.register_at_fork(after_in_child=lambda: _default.after_fork_in_child())

@@ -1,0 +1,285 @@
+"""POSIX shared-memory segments of this process: making, pooling, tracing and releasing them.
+
+A segment is a file in ``/dev/shm`` mapped into this process. The daemon maps
+the same file when the SDK registers it as a region, so the bytes never travel.
+The resource tracker of ``multiprocessing`` unlinks the segments of a process
+that dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import mmap
+import os
+import queue
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
+from typing import Protocol
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+MIN_SEGMENT_BYTES = 1 << 20
+FREE_SEGMENTS_KEPT = 4
+"""Free staging/output segments a client keeps mapped for the next calls."""
+
+
+def available() -> bool:
+    """Whether POSIX shared memory can be made here (Linux's ``/dev/shm``).
+
+    Example:
+        >>> isinstance(available(), bool)
+        True
+    """
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class Segment:
+    """A POSIX shared-memory object of this process, mapped.
+
+    ``base`` is a flat uint8 array over the whole mapping; arrays handed out are views of it.
+
+    Example:
+        >>> seg = Segment(4096, "xrdoc")
+        >>> seg.base.size, seg.name.startswith(f"xrdoc-{os.getpid()}-")
+        (4096, True)
+        >>> seg.unlink()
+    """
+
+    def __init__(self, size: int, prefix: str):
+        self.pid = os.getpid()
+        self.name = f"{prefix}-{self.pid}-{secrets.token_hex(8)}"
+        self.size = size
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            # Reserve the pages now: on a full /dev/shm this raises ENOSPC, where a write into an
+            # unreserved page would kill the process with SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(fd, size, flags=flags)
+        except BaseException:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+            raise
+        finally:
+            os.close(fd)
+        # Unlinked by the tracker if this process dies before unlink() runs.
+        resource_tracker.register("/" + self.name, "shared_memory")
+        self.base = np.frombuffer(self.mm, np.uint8)
+        self.address = self.base.__array_interface__["data"][0]
+
+    def unlink(self) -> None:
+        """Removes the name (mappings, the daemon's too, stay valid until unmapped)."""
+        unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    """Removes a segment's name and stops tracking it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister("/" + name, "shared_memory")
+
+
+class Releases:
+    """Work that finalizers hand over (unlinking freed segments, returning output segments).
+
+    Finalizers may run inside any allocation (the garbage collector), maybe
+    while this thread holds a lock of the SDK, so they only queue their work
+    here (``SimpleQueue.put`` is safe there); it runs outside every lock: in a
+    background thread, and at the start of the next call (:meth:`drain`).
+
+    Example:
+        >>> done = []
+        >>> releases = Releases()
+        >>> releases.later(done.append, 1)
+        >>> releases.drain()
+        >>> done
+        [1]
+    """
+
+    def __init__(self):
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: tuple[int, threading.Thread] | None = None
+
+    def later(self, fn: Callable, *args) -> None:
+        """Queues ``fn(*args)``."""
+        self._pending.put((fn, args))
+
+    def _run_pending(self) -> None:
+        while True:
+            fn, args = self._pending.get()
+            with contextlib.suppress(Exception):
+                fn(*args)
+
+    def drain(self) -> None:
+        """Runs the queued work, and makes sure this process's background thread runs later work."""
+        worker = self._worker
+        if worker is None or worker[0] != os.getpid():
+            thread = threading.Thread(target=self._run_pending, name="xreduce-shm-release", daemon=True)
+            thread.start()
+            self._worker = (os.getpid(), thread)
+        while True:
+            try:
+                fn, args = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            with contextlib.suppress(Exception):
+                fn(*args)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has no worker thread, and a queue another thread may have held."""
+        self._pending = queue.SimpleQueue()
+        self._worker = None
+
+
+class SegmentUser(Protocol):
+    """What registered a :class:`SharedArrays` segment with a daemon, told when the segment is freed."""
+
+    def forget(self, name: str) -> None:
+        """Releases ``name`` in the daemon."""
+
+
+class SharedArrays:
+    """The segments of :func:`xreduce.shared_array`, by address, so that any array can be traced to its segment.
+
+    Args:
+        releases: where the finalizer of a freed segment queues its release.
+
+    Example:
+        >>> arrays = SharedArrays(Releases())
+        >>> x = arrays.allocate(8, "int32")
+        >>> arrays.find(x[2:])[1:]
+        (8, 32)
+        >>> arrays.find(np.zeros(8)) is None
+        True
+    """
+
+    def __init__(self, releases: Releases):
+        self._releases = releases
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._entries: dict[int, tuple[str, int, weakref.ref]] = {}
+        self._users: dict[str, weakref.WeakSet] = {}  # segment name -> what registered it
+
+    def allocate(self, shape: int | Sequence[int], dtype) -> np.ndarray:
+        """A zero-filled array in a new segment, freed (and released everywhere) with its last view."""
+        self._releases.drain()
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        seg = Segment(max(nbytes, 1), prefix="xra")
+        array = seg.base[:nbytes].view(dtype).reshape(shape)
+        with self._lock:
+            bisect.insort(self._starts, seg.address)
+            self._entries[seg.address] = (seg.name, seg.size, weakref.ref(seg.base))
+            self._users[seg.name] = weakref.WeakSet()
+        weakref.finalize(seg.base, self._releases.later, self._forget, seg.pid, seg.address, seg.name)
+        return array
+
+    def _forget(self, pid: int, address: int, name: str) -> None:
+        """The last view of a segment is gone: unregister it everywhere, unlink it.
+        (Not in a forked child: the segment is its parent's.)"""
+        if os.getpid() != pid:
+            return
+        with self._lock:
+            i = bisect.bisect_left(self._starts, address)
+            if i < len(self._starts) and self._starts[i] == address:
+                del self._starts[i]
+            self._entries.pop(address, None)
+            users = list(self._users.pop(name, ()))
+        for user in users:
+            user.forget(name)
+        unlink(name)
+
+    def find(self, array: np.ndarray) -> tuple[str, int, int] | None:
+        """The (segment name, byte offset, segment size) of a C-contiguous array in one of the segments, else None."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            return None
+        ptr = array.__array_interface__["data"][0]
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i < 0:
+                return None
+            name, size, ref = self._entries[self._starts[i]]
+            start = self._starts[i]
+        if ref() is None or ptr + array.nbytes > start + size:
+            return None
+        return name, ptr - start, size
+
+    def add_user(self, name: str, user: SegmentUser) -> None:
+        """Records that ``user`` registered segment ``name``: it is told when the segment is freed."""
+        with self._lock:
+            users = self._users.get(name)
+            if users is not None:
+                users.add(user)
+
+    def after_fork_in_child(self) -> None:
+        """The segments stay mapped in a forked child; a lock another thread held does not carry over."""
+        self._lock = threading.Lock()
+
+
+class SegmentPool:
+    """Reusable segments (staging or output) of one daemon's shared memory; at most
+    :data:`FREE_SEGMENTS_KEPT` stay mapped while free.
+
+    Args:
+        drop: called with each segment the pool lets go of.
+        prefix: the name prefix of the segments it makes.
+
+    Example:
+        >>> pool = SegmentPool(lambda seg: seg.unlink(), "xrdoc")
+        >>> seg = pool.acquire(100)
+        >>> seg.size
+        1048576
+        >>> pool.release(seg)
+        >>> pool.acquire(10) is seg
+        True
+        >>> pool.release(seg); pool.close()
+    """
+
+    def __init__(self, drop: Callable[[Segment], None], prefix: str):
+        self._drop = drop
+        self._prefix = prefix
+        self._free: list[Segment] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self, nbytes: int) -> Segment:
+        """The smallest free segment of at least ``nbytes``, or a new one (a power of two, 1 MiB at least)."""
+        with self._lock:
+            fits = [s for s in self._free if s.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                self._free.remove(seg)
+                return seg
+        return Segment(max(MIN_SEGMENT_BYTES, 1 << max(nbytes - 1, 1).bit_length()), self._prefix)
+
+    def release(self, seg: Segment) -> None:
+        """Takes ``seg`` back for reuse; drops the smallest free ones beyond :data:`FREE_SEGMENTS_KEPT`."""
+        if seg.pid != os.getpid():  # a forked child's copy: the segment is its parent's
+            return
+        with self._lock:
+            drop = []
+            if self._closed:
+                drop.append(seg)
+            else:
+                self._free.append(seg)
+            while len(self._free) > FREE_SEGMENTS_KEPT:
+                smallest = min(self._free, key=lambda s: s.size)
+                self._free.remove(smallest)
+                drop.append(smallest)
+        for s in drop:
+            self._drop(s)
+
+    def close(self) -> None:
+        """Unlinks the free segments; segments released later are dropped."""
+        with self._lock:
+            free, self._free, self._closed = self._free, [], True
+        for s in free:
+            s.unlink()

@@ -1,0 +1,244 @@
+"""Shared memory with a daemon on the same host: no tensor bytes on the wire.
+
+The SDK opens a session with the daemon (``OpenSession``) and proves that the
+two share memory: it writes a random nonce into a small POSIX shared-memory
+object and the daemon reads it back. From then on a call names *regions*:
+
+* arrays made by :func:`xreduce.shared_array` are already in shared memory and
+  are sent without any copy;
+* other arrays are copied into a staging segment that is reused call after call;
+* results are written by the daemon into an output segment; the arrays the
+  SDK returns are views of it, and the segment is reused only once they are
+  all gone.
+
+Segments are registered once per session and unregistered when they are
+freed; when the session ends (the client closes, or its process dies) the
+daemon releases them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from xreduce._errors import XReduceError
+from xreduce._segments import Releases, Segment, SegmentPool, SharedArrays
+from xreduce._session import Session
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.layout import OUTPUT_ALIGNMENT
+
+COPY_RESULTS_UP_TO = 64 << 10
+"""Results up to this size are copied out of the output segment; larger ones are views of it."""
+
+
+class SessionCalls(Protocol):
+    """The calls of :class:`xreduce.Client` that shared memory makes."""
+
+    def open_session(self, request: pb.OpenSessionRequest) -> Session:
+        """Opens a session."""
+
+    def register_region(self, request: pb.RegisterRegionRequest, *, session: str) -> object:
+        """Registers a region under the session."""
+
+    def unregister_region(self, request: pb.UnregisterRegionRequest, *, session: str) -> object:
+        """Releases a region of the session."""
+
+
+class SharedMemory:
+    """This process's shared memory with one daemon: the session, the regions registered under it,
+    the staging and output segments.
+
+    One per process and daemon (the SDK runtime keeps them), shared by every
+    client of that daemon: each open session holds a daemon thread.
+
+    Args:
+        client: a client of the daemon, used for the session and region calls only.
+        releases: where finalizers queue the return of output segments.
+        arrays: the :func:`xreduce.shared_array` segments, sent as they are.
+
+    Example:
+        >>> import xreduce
+        >>> from xreduce import _runtime
+        >>> from xreduce._segments import available
+        >>> with xreduce.serve_embedded(virtual_devices=2):
+        ...     runtime = _runtime.Runtime()
+        ...     shm = SharedMemory(xreduce.Client(transport="wire"), runtime.releases, runtime.shared_arrays)
+        ...     shm.usable() == available()
+        ...     shm.close()
+        True
+    """
+
+    def __init__(self, client: SessionCalls, releases: Releases, arrays: SharedArrays):
+        self.client = client
+        self._releases = releases
+        self._arrays = arrays
+        self._lock = threading.Lock()
+        self._session: Session | None = None
+        self.reason: str | None = None
+        """Why the daemon cannot use this host's shared memory, once known."""
+        self.last_error: str | None = None
+        """Why the last attempt to open a session failed, when it failed for the time being."""
+        self._registered: set[str] = set()
+        self._registering = threading.Lock()  # one RegisterRegion per name, whatever the threads
+        self._staging = SegmentPool(self._drop, "xrs")
+        self._outputs = SegmentPool(self._drop, "xro")
+
+    def session(self) -> Session:
+        """The live session, opened (again) if needed."""
+        with self._lock:
+            if self._session is None or not self._session.alive.is_set():
+                self._registered.clear()  # a new session: every segment is registered again on use
+                self._session = self._open()
+            return self._session
+
+    def _open(self) -> Session:
+        """A new session, with the probe that shows whether the daemon reads our memory."""
+        probe = Segment(4096, prefix="xrp")
+        nonce = secrets.token_bytes(32)
+        probe.base[:32] = np.frombuffer(nonce, np.uint8)
+        try:
+            return self.client.open_session(pb.OpenSessionRequest(probe_shm_key=probe.name, probe_nonce=nonce))
+        finally:
+            probe.unlink()
+
+    def session_id(self) -> str:
+        """The id of the live session, which calls naming its regions carry."""
+        return self.session().id
+
+    def usable(self) -> bool:
+        """Whether the daemon reads this host's shared memory; when it does
+        not, the session is closed and :attr:`reason` says why."""
+        if self.reason is not None:
+            return False
+        try:
+            session = self.session()
+        except XReduceError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon from before sessions: the wire, for good
+                self.reason = str(e)
+                return False
+            if e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED):
+                self.last_error = str(e)
+                return False  # no session now (too many, or the daemon is stopping): the wire, this time
+            raise
+        if session.shared_memory:
+            return True
+        self.reason = session.error or "the daemon did not say why"
+        with self._lock:
+            self._session = None
+        session.close()
+        return False
+
+    def _register(self, name: str, size: int) -> None:
+        with self._registering:
+            if name in self._registered:
+                return
+            self.client.register_region(pb.RegisterRegionRequest(name=name, shm_key=name, offset=0, byte_size=size),
+                                        session=self.session_id())
+            self._registered.add(name)
+
+    def _acquire(self, pool: SegmentPool, nbytes: int) -> Segment:
+        seg = pool.acquire(nbytes)
+        if seg.name not in self._registered:
+            try:
+                self._register(seg.name, seg.size)
+            except BaseException:
+                pool.release(seg)
+                raise
+        return seg
+
+    def _drop(self, seg: Segment) -> None:
+        with contextlib.suppress(Exception):
+            self._unregister(seg.name)
+        seg.unlink()
+
+    def _unregister(self, name: str) -> None:
+        with self._registering:
+            if name not in self._registered:
+                return
+            self._registered.discard(name)
+        self.client.unregister_region(pb.UnregisterRegionRequest(name=name), session=self.session_id())
+
+    def forget(self, name: str) -> None:
+        """A shared_array segment was freed: release it in the daemon."""
+        with contextlib.suppress(Exception):
+            self._unregister(name)
+
+    def stage(self, arrays: Sequence[np.ndarray]) -> tuple[list[pb.Tensor], Callable[[], None]]:
+        """Region tensors for ``arrays``: shared arrays as they are, others copied into staging.
+
+        Returns:
+            (the tensors, a function that frees the staging space once the call returned).
+
+        Raises:
+            OSError: no room in ``/dev/shm`` for the staging segment.
+        """
+        self._releases.drain()
+        placed: list[tuple[str, int, int] | None] = []
+        need = 0
+        for a in arrays:
+            where = self._arrays.find(a)
+            if where is not None and where[0] not in self._registered:
+                self._arrays.add_user(where[0], self)
+                self._register(where[0], where[2])
+            if where is None:
+                need += -need % OUTPUT_ALIGNMENT + a.nbytes
+            placed.append(where)
+        seg = self._acquire(self._staging, max(need, 1)) if None in placed else None
+        tensors, at = [], 0
+        for a, where in zip(arrays, placed):
+            if where is None:
+                at += -at % OUTPUT_ALIGNMENT
+                seg.base[at:at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+                where = (seg.name, at, seg.size)
+                at += a.nbytes
+            tensors.append(pb.Tensor(dtype=codec.dtype_enum(a.dtype), shape=a.shape, region=pb.RegionSlice(
+                name=where[0], offset=where[1], byte_size=a.nbytes)))
+        return tensors, (lambda: self._staging.release(seg)) if seg is not None else (lambda: None)
+
+    def output(self, nbytes: int) -> tuple[pb.RegionSlice, Callable[[pb.Tensor], np.ndarray]]:
+        """An output slice of at least ``nbytes``; the segment is reused once
+        the call's result arrays (and the returned function) are gone.
+
+        Returns:
+            (the slice to send, a function turning a reply tensor into an array:
+            a view of the segment).
+
+        Raises:
+            OSError: no room in ``/dev/shm`` for the output segment.
+        """
+        self._releases.drain()
+        seg = self._acquire(self._outputs, max(nbytes, 1))
+        hold = np.frombuffer(seg.mm, np.uint8, seg.size)  # views of it keep the segment busy
+        weakref.finalize(hold, self._releases.later, self._outputs.release, seg)
+
+        def result(tensor: pb.Tensor) -> np.ndarray:
+            if not tensor.HasField("region"):
+                return codec.decode(tensor)
+            dtype, shape = codec.spec(tensor)
+            r = tensor.region
+            if r.name != seg.name or r.offset + r.byte_size > seg.size:
+                raise ValueError(f"the daemon placed a result at {r.name}[{r.offset}:+{r.byte_size}], outside the "
+                                 f"output segment {seg.name} of {seg.size} bytes")
+            view = hold[r.offset:r.offset + r.byte_size].view(dtype).reshape(shape)
+            # A small result kept for long (a loss per step) must not pin a whole segment: copy it.
+            return view.copy() if r.byte_size <= COPY_RESULTS_UP_TO else view
+
+        return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), result
+
+    def close(self) -> None:
+        """Ends the session (the daemon releases every region) and unlinks this client's segments."""
+        with self._lock:
+            session, self._session = self._session, None
+            self._registered.clear()
+        self._staging.close()
+        self._outputs.close()
+        if session is not None:
+            session.close()

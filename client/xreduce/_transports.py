@@ -1,0 +1,291 @@
+"""The transport layer: the path a call's tensors take to the daemon, its request, its results.
+
+:func:`choose` picks one path for a :class:`~xreduce._call.ReduceCall` or
+:class:`~xreduce._call.BroadcastCall`; each path builds its request, makes
+the call and regroups the reply into the caller's arrays:
+
+* :class:`CudaIpcPath`: CuPy values as CUDA IPC regions, results in a device buffer;
+* :class:`SharedMemoryPath`: host arrays staged in (or already in) shared memory,
+  results written by the daemon into an output segment;
+* :class:`StreamPath`: a large single-process batch over ``ReduceStream``, in chunks;
+* :class:`WirePath`: tensors as bytes in the ``Reduce``/``BatchReduce``/``Broadcast`` messages.
+
+A new transport is a new class here with ``reduce`` (and ``broadcast`` if it
+carries one), and a line in :func:`choose`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from google.protobuf import duration_pb2
+
+from xreduce import _ipc, _streaming
+from xreduce._call import Algorithm, BroadcastCall, ReduceCall
+from xreduce._client import Client
+from xreduce._errors import XReduceError
+from xreduce._runtime import ProcessGroup
+from xreduce._shared_memory import SharedMemory
+from xreduce._values import Mirrored
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import mean_dtype
+from xreduce.wire.framing import streamed_tensor
+from xreduce.wire.layout import output_layout
+
+DEADLINE_SLACK_SECONDS = 5.0
+"""A call's gRPC deadline is its ``timeout_seconds`` plus this: the daemon's own deadline message comes first."""
+
+_ALGORITHMS = {"hierarchical_copy": pb.ALGORITHM_HIERARCHICAL_COPY,
+               "reduction_to_one_device": pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE}
+
+
+class Transport:
+    """One path to the daemon. Every path reduces; :meth:`broadcast` only where it carries one."""
+
+    def __init__(self, client: Client):
+        self._client = client
+
+    def reduce(self, call: ReduceCall) -> list[Any]:
+        """One result per pair: a plain array for one destination device, else a ``Mirrored``."""
+        raise NotImplementedError
+
+    def broadcast(self, call: BroadcastCall) -> Any:
+        """The tensor on every destination: a plain array for one destination device, else a ``Mirrored``."""
+        raise TypeError(f"{type(self).__name__} carries no broadcast")
+
+
+def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
+    """The path for ``call``, as the client's transport (``auto``, ``shm``, ``wire``) allows.
+
+    Shared memory when the daemon shares this host (CUDA IPC for CuPy values it
+    can open); with ``auto``, a call that finds no room in ``/dev/shm`` takes
+    the wire instead. On the wire, a single-process batch over
+    :data:`xreduce._streaming.STREAM_THRESHOLD_BYTES` streams.
+
+    Raises:
+        xreduce.InvalidArgumentError: transport ``shm`` and no shared memory with the daemon.
+
+    Example:
+        >>> import numpy as np
+        >>> from xreduce._call import Pair
+        >>> from xreduce._values import PerReplica
+        >>> pair = Pair(PerReplica([np.ones(2)] * 2), ("CPU:0", "CPU:1"), ("CPU:0",))
+        >>> call = ReduceCall("SUM", (pair,), Algorithm("hierarchical_copy", 1))
+        >>> type(choose(Client("127.0.0.1:1", transport="wire"), call)).__name__
+        'WirePath'
+    """
+    sends_tensors = isinstance(call, ReduceCall) or call.tensor is not None
+    shm = client.shared_memory() if sends_tensors else None
+    if shm is None:
+        return _on_the_wire(client, call)
+    fallback = None if client.transport == "shm" else (lambda: _on_the_wire(client, call))
+    if isinstance(call, ReduceCall):
+        ipc = _ipc.staging(shm, client.address, [list(p.value.values) for p in call.pairs])
+        if ipc is not None:
+            return CudaIpcPath(client, shm, fallback, ipc)
+    return SharedMemoryPath(client, shm, fallback)
+
+
+def _on_the_wire(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
+    if isinstance(call, ReduceCall) and call.collective is None:
+        nbytes = sum(h.array.nbytes for pair in call.pairs for h in pair.value.hosts())
+        if nbytes > _streaming.STREAM_THRESHOLD_BYTES:
+            return StreamPath(client)
+    return WirePath(client)
+
+
+@contextlib.contextmanager
+def collective(client: Client, group: ProcessGroup | None) -> Iterator[pb.CollectiveSpec | None]:
+    """The next collective of this process's group (None without one), its sequence number
+    taken first: when something fails on this side before the daemon answers, the collective
+    is abandoned for every process (they get AbortedError at once) instead of the next call
+    of this process meeting the others' current one.
+
+    Example:
+        >>> with collective(Client("127.0.0.1:1"), None) as spec:
+        ...     spec is None
+        True
+    """
+    spec = group.next_spec() if group is not None else None
+    try:
+        yield spec
+    except XReduceError:
+        # The daemon answered: it failed the collective for the others where it must. (A refusal before
+        # the collective call, e.g. of a region, leaves the others to their timeout; the number is spent.)
+        raise
+    except BaseException:
+        if spec is not None:
+            # A request the daemon rejects (no reduce op) fails the collective for every process.
+            with contextlib.suppress(Exception):
+                client.batch_reduce(pb.BatchReduceRequest(collective=spec), 10.0)
+        raise
+
+
+# --- requests and replies -------------------------------------------------------------------------------------
+
+
+def _fields(call: ReduceCall) -> dict[str, Any]:
+    """The request fields besides the values: op, algorithm, timeout, collective."""
+    algorithm: Algorithm = call.algorithm
+    fields: dict[str, Any] = dict(
+        reduce_op=pb.ReduceOp.Value(f"REDUCE_OP_{call.op}"), algorithm=_ALGORITHMS[algorithm.name],
+        num_packs=algorithm.num_packs, reduce_to_device=algorithm.reduce_to_device)
+    if call.timeout_seconds is not None:
+        fields["timeout"] = duration_pb2.Duration()
+        fields["timeout"].FromNanoseconds(int(call.timeout_seconds * 1e9))
+    if call.collective is not None:
+        fields["collective"] = call.collective
+    return fields
+
+
+def _deadline(call: ReduceCall) -> float | None:
+    return None if call.timeout_seconds is None else call.timeout_seconds + DEADLINE_SLACK_SECONDS
+
+
+def _send(client: Client, call: ReduceCall, values: list[pb.DistributedValue], session: str | None = None,
+          **output: pb.RegionSlice) -> list[pb.DistributedValue]:
+    """Sends ``Reduce`` (one pair from ``reduce``) or ``BatchReduce``; the result of each pair."""
+    if call.single:
+        (pair,) = call.pairs
+        request = pb.ReduceRequest(value=values[0], destinations=pair.destinations, **output, **_fields(call))
+        return [client.reduce(request, _deadline(call), session=session).result]
+    request = pb.BatchReduceRequest(pairs=[pb.ReducePair(value=v, destinations=p.destinations)
+                                           for v, p in zip(values, call.pairs)], **output, **_fields(call))
+    return [r.result for r in client.batch_reduce(request, _deadline(call), session=session).results]
+
+
+def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:
+    arrays = [restore(decode(c.tensor)) for c in result.components]
+    if len(arrays) == 1:
+        return arrays[0]
+    return Mirrored(arrays, devices=[c.device for c in result.components])
+
+
+# --- the paths ------------------------------------------------------------------------------------------------
+
+
+class WirePath(Transport):
+    """Tensors as bytes in the request and reply messages."""
+
+    def reduce(self, call: ReduceCall) -> list[Any]:
+        values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=codec.encode(h.array))
+                                                  for d, h in zip(p.devices, p.value.hosts())]) for p in call.pairs]
+        results = _send(self._client, call, values)
+        return [_regroup(r, p.value.hosts()[0].restore) for r, p in zip(results, call.pairs)]
+
+    def broadcast(self, call: BroadcastCall) -> Any:
+        request = pb.BroadcastRequest(destinations=call.destinations, source_device=call.source_device,
+                                      collective=call.collective)
+        if call.tensor is not None:
+            request.tensor.CopyFrom(codec.encode(call.tensor))
+        return _regroup(self._client.broadcast(request).result, call.restore)
+
+
+class StreamPath(Transport):
+    """``ReduceStream``: large payloads in chunks, with no message size limit (single process only)."""
+
+    def reduce(self, call: ReduceCall) -> list[Any]:
+        hosts = [p.value.hosts() for p in call.pairs]
+        header = pb.BatchReduceRequest(pairs=[
+            pb.ReducePair(destinations=p.destinations, value=pb.DistributedValue(components=[
+                pb.Component(device=d, tensor=streamed_tensor(h.array)) for d, h in zip(p.devices, hs)]))
+            for p, hs in zip(call.pairs, hosts)], **_fields(call))
+        results = _streaming.stream_batch_reduce(self._client, header, [[h.array for h in hs] for hs in hosts],
+                                                 _deadline(call))
+        out = []
+        for (_, components), hs in zip(results, hosts):
+            arrays = [hs[0].restore(a) for _, a in components]
+            out.append(arrays[0] if len(arrays) == 1 else Mirrored(arrays, devices=[d for d, _ in components]))
+        return out
+
+
+class _RegionsPath(Transport):
+    """Tensors as regions of a session: staged, named in the request, results written into an output region.
+
+    Args:
+        client: the caller's client.
+        shm: the shared memory with the daemon (its session).
+        fallback: the path to take when staging finds no room (OSError), or None to raise.
+    """
+
+    def __init__(self, client: Client, shm: SharedMemory, fallback: Callable[[], Transport] | None):
+        super().__init__(client)
+        self._shm = shm
+        self._fallback = fallback
+
+    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
+        """(what stages: ``stage``/``output``, the arrays to stage, each pair's first array, each pair's restore)."""
+        raise NotImplementedError
+
+    def reduce(self, call: ReduceCall) -> list[Any]:
+        stager, arrays, firsts, restores = self._stager(call)
+        try:
+            tensors, free = stager.stage(arrays)
+            try:
+                output, result = stager.output(output_layout([
+                    (len(p.destinations), mean_dtype(first.dtype) if call.op == "MEAN" else first.dtype,
+                     tuple(first.shape)) for p, first in zip(call.pairs, firsts)]).nbytes)
+            except BaseException:
+                free()
+                raise
+        except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
+            if self._fallback is None:
+                raise
+            return self._fallback().reduce(call)
+        try:
+            it = iter(tensors)
+            values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices])
+                      for p in call.pairs]
+            results = _send(self._client, call, values, self._shm.session_id(), output=output)
+        finally:
+            free()
+        return [_regroup(r, restore, result) for r, restore in zip(results, restores)]
+
+
+class SharedMemoryPath(_RegionsPath):
+    """Host arrays through shared memory: :func:`xreduce.shared_array` arrays as they are, others copied
+    into a staging segment; results are views of an output segment (small ones copied out)."""
+
+    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
+        hosts = [p.value.hosts() for p in call.pairs]
+        return self._shm, [h.array for hs in hosts for h in hs], [hs[0].array for hs in hosts], \
+            [hs[0].restore for hs in hosts]
+
+    def broadcast(self, call: BroadcastCall) -> Any:
+        try:
+            (staged,), free = self._shm.stage([call.tensor])
+            try:
+                output, result = self._shm.output(
+                    output_layout([(len(call.destinations), call.tensor.dtype, call.tensor.shape)]).nbytes)
+            except BaseException:
+                free()
+                raise
+        except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
+            if self._fallback is None:
+                raise
+            return self._fallback().broadcast(call)
+        request = pb.BroadcastRequest(destinations=call.destinations, source_device=call.source_device,
+                                      collective=call.collective, tensor=staged, output=output)
+        try:
+            reply = self._client.broadcast(request, session=self._shm.session_id())
+        finally:
+            free()
+        return _regroup(reply.result, call.restore, result)
+
+
+class CudaIpcPath(_RegionsPath):
+    """CuPy values as CUDA IPC regions, in place; results are CuPy arrays on the values' GPU, views of a
+    device buffer. Taken when the daemon runs the cupy backend in another process (see :mod:`xreduce._ipc`)."""
+
+    def __init__(self, client: Client, shm: SharedMemory, fallback: Callable[[], Transport] | None,
+                 staging: _ipc.DeviceStaging):
+        super().__init__(client, shm, fallback)
+        self._staging = staging
+
+    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
+        raw = [list(p.value.values) for p in call.pairs]
+        return self._staging, [a for values in raw for a in values], [values[0] for values in raw], \
+            [(lambda a: a)] * len(call.pairs)
