@@ -270,7 +270,7 @@ def ipc_worker(config: dict) -> dict:
     import grpc
     from xreduce.v1 import xreduce_pb2 as pb
     from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
-    from xreduce.wire import cuda_ipc
+    from xreduce.wire import SESSION_METADATA, cuda_ipc
 
     p, nbytes = config["process_id"], config["nbytes"]
     count = nbytes // 4
@@ -297,7 +297,7 @@ def ipc_worker(config: dict) -> dict:
             first = next(session)
             if not first.cuda_ipc:
                 return {"ok": False, "error": "OpenSession says the daemon cannot open CUDA IPC handles"}
-            md = (("x-xreduce-session", first.session_id),)
+            md = ((SESSION_METADATA, first.session_id),)
             stub.RegisterRegion(pb.RegisterRegionRequest(
                 name="in", cuda_ipc=pb.CudaIpcHandle(mem_handle=ein.mem_handle, device_id=ein.device_id,
                                                      event_handle=event_handle),

@@ -52,7 +52,7 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
 from xreduce.wire.framing import DEFAULT_CHUNK_BYTES, streamed_tensor
 from xreduce_bench.daemon import DaemonProcess
-from xreduce_bench.sweep import parse_bytes
+from xreduced.cli import parse_bytes
 
 REPLICAS = 8
 """Replicas of the payload (and the daemons' host devices); ``--replicas`` changes it."""

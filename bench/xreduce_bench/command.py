@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import xreduce
+from xreduced.cli import parse_bytes
 
 from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
 from xreduce_bench.sweep import (
@@ -50,7 +51,6 @@ from xreduce_bench.sweep import (
     SystemResult,
     human_size,
     numpy_dtype,
-    parse_bytes,
     size_ladder,
 )
 from xreduce_bench.table import Progress, _Reporter, format_ratios, plot, ratios, to_json

@@ -73,7 +73,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from xreduce import _segments as _shm
+from xreduce import _segments
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import SESSION_METADATA, codec, method_path
 
@@ -1300,14 +1300,15 @@ class World:
         self.closed = False
         self._round = 0
         rng = np.random.default_rng(0)
-        self.segments = {role: _shm.Segment(size, "xfz") for role, size in SEGMENTS.items()}
+        self.segments = {role: _segments.Segment(size, "xfz") for role, size in SEGMENTS.items()}
         for seg in self.segments.values():  # small bytes: sums stay finite whatever the dtype
             seg.base[:] = rng.integers(0, 4, seg.size, dtype=np.uint8)
         self.segments["probe"].base[:len(PROBE_NONCE)] = np.frombuffer(PROBE_NONCE, np.uint8)
         stem = f"xfz-{os.getpid()}-{secrets.token_hex(8)}"
         self.others = {"empty": f"{stem}-empty", "dir": f"{stem}-dir"}
-        os.close(os.open(os.path.join(_shm.SHM_DIR, self.others["empty"]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        os.mkdir(os.path.join(_shm.SHM_DIR, self.others["dir"]), 0o700)
+        empty = os.path.join(_segments.SHM_DIR, self.others["empty"])
+        os.close(os.open(empty, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        os.mkdir(os.path.join(_segments.SHM_DIR, self.others["dir"]), 0o700)
         KEYS.update({role: seg.name for role, seg in self.segments.items()}, **self.others)
         self.main = self.scratch = None
         try:
@@ -1404,7 +1405,7 @@ class World:
                 own.close()
             return out
         out.append(("OpenSession", churn, Outcome(StatusCode.OK, "", time.monotonic() - start)))
-        segments = [_shm.Segment(CHURN_BYTES, "xfz") for _ in range(2)]
+        segments = [_segments.Segment(CHURN_BYTES, "xfz") for _ in range(2)]
         keys = {CHURN_KEY + str(i): seg.name for i, seg in enumerate(segments)}
         md = session.metadata
         pending = []
@@ -1460,9 +1461,9 @@ class World:
             for seg in self.segments.values():
                 seg.unlink()
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(_shm.SHM_DIR, self.others["empty"]))
+                os.unlink(os.path.join(_segments.SHM_DIR, self.others["empty"]))
             with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(_shm.SHM_DIR, self.others["dir"]))
+                os.rmdir(os.path.join(_segments.SHM_DIR, self.others["dir"]))
             self.channel.close()
 
 

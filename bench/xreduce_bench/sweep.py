@@ -6,9 +6,7 @@ to every worker process.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import re
 import statistics
 from typing import Any
 
@@ -145,21 +143,6 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``, as the ``xreduce`` command reads sizes.
-
-    Example:
-        >>> parse_bytes("1MiB"), parse_bytes("4KiB"), parse_bytes("2 GB")
-        (1048576, 4096, 2000000000)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def human_size(n: int) -> str:

@@ -28,8 +28,8 @@ class Algorithm:
     """
 
     name: Literal["hierarchical_copy", "reduction_to_one_device"]
-    num_packs: int = 0
-    """Packs of a hierarchical copy (0: no packing)."""
+    num_packs: int | None = None
+    """Packs of a hierarchical copy (0: no packing); None for a reduction to one device, which has none."""
     reduce_to_device: str = ""
     """Where a reduction to one device sums ("": the first destination)."""
 

@@ -134,7 +134,8 @@ def _bench(argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != "xreduce_bench":
             raise
-        print("xreduce bench: the xreduce_bench package is not installed (pip install 'xreduce[bench]')",
+        print("xreduce bench: the xreduce_bench package is not installed; it comes with xreduce from a checkout "
+              "that has bench/ (pip install '.[bench]' there)",
               file=sys.stderr)
         return 2
     return command.main(argv)

@@ -285,18 +285,44 @@ class Client:
     # --- one method per RPC ----------------------------------------------------------------------------------
 
     def list_devices(self, refresh: bool = False, timeout: float | None = None) -> pb.ListDevicesResponse:
-        """The daemon's ``ListDevicesResponse`` (cached after the first call; ``refresh`` asks again)."""
+        """The daemon's ``ListDevicesResponse`` (cached after the first call; ``refresh`` asks again).
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     [d.short_name for d in c.list_devices().devices]
+            ['CPU:0', 'CPU:1']
+        """
         if self._devices is None or refresh:
             self._devices = self._unary("ListDevices", pb.ListDevicesRequest(), timeout)
         return self._devices
 
     def get_status(self, timeout: float | None = None) -> pb.GetStatusResponse:
-        """The daemon's ``GetStatusResponse``: version, devices, limits, counters."""
+        """The daemon's ``GetStatusResponse``: version, devices, limits, counters.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     status = c.get_status()
+            >>> status.backend, len(status.devices), status.tls
+            ('numpy', 2, False)
+        """
         return self._unary("GetStatus", pb.GetStatusRequest(), timeout)
 
     def reduce(self, request: pb.ReduceRequest, timeout: float | None = None, *,
                session: str | None = None) -> pb.ReduceResponse:
-        """Calls ``Reduce``: one value reduced to its destinations."""
+        """Calls ``Reduce``: one value reduced to its destinations.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> from xreduce.wire import codec
+            >>> value = pb.DistributedValue(components=[
+            ...     pb.Component(device=f"CPU:{i}", tensor=codec.encode(np.array([i + 1]))) for i in range(2)])
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     reply = c.reduce(pb.ReduceRequest(reduce_op=pb.REDUCE_OP_SUM, value=value, destinations=["CPU:0"]))
+            >>> codec.decode(reply.result.components[0].tensor)
+            array([3])
+        """
         return self._unary("Reduce", request, timeout, session)
 
     def batch_reduce(self, request: pb.BatchReduceRequest, timeout: float | None = None, *,
@@ -318,16 +344,44 @@ class Client:
 
     def broadcast(self, request: pb.BroadcastRequest, timeout: float | None = None, *,
                   session: str | None = None) -> pb.BroadcastResponse:
-        """Calls ``Broadcast``: one tensor copied to every destination."""
+        """Calls ``Broadcast``: one tensor copied to every destination.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> from xreduce.wire import codec
+            >>> request = pb.BroadcastRequest(tensor=codec.encode(np.arange(2)), destinations=["CPU:0", "CPU:1"])
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     reply = c.broadcast(request)
+            >>> [c.device[-5:] for c in reply.result.components]
+            ['CPU:0', 'CPU:1']
+        """
         return self._unary("Broadcast", request, timeout, session)
 
     def join_group(self, request: pb.JoinGroupRequest, timeout: float | None = None) -> pb.JoinGroupResponse:
-        """Calls ``JoinGroup``: meets the other processes of a multi-process job in the daemon."""
+        """Calls ``JoinGroup``: meets the other processes of a multi-process job in the daemon.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     joined = c.join_group(pb.JoinGroupRequest(group="solo", num_processes=1, process_id=0))
+            >>> [d[-5:] for d in joined.local_devices]
+            ['CPU:0', 'CPU:1']
+        """
         return self._unary("JoinGroup", request, timeout)
 
     def open_session(self, request: pb.OpenSessionRequest, timeout: float | None = None) -> Session:
         """Calls ``OpenSession`` and returns the :class:`~xreduce._session.Session` once the daemon answered
-        (within ``timeout``); the session lasts until it is closed or the daemon stops."""
+        (within ``timeout``); the session lasts until it is closed or the daemon stops.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     session = c.open_session(pb.OpenSessionRequest())
+            ...     regions = c.list_regions(session=session.id).regions
+            ...     session.close()
+            >>> list(regions)
+            []
+        """
         responses = self._get()[1].OpenSession(request, metadata=self._metadata())
         return Session(responses, self.address, self.timeout if timeout is None else timeout)
 
@@ -342,7 +396,7 @@ class Client:
         return self._unary("UnregisterRegion", request, timeout, session)
 
     def list_regions(self, timeout: float | None = None, *, session: str | None = None) -> pb.ListRegionsResponse:
-        """Calls ``ListRegions``: the regions of the session."""
+        """Calls ``ListRegions``: the regions of the session (see :meth:`open_session`'s example)."""
         return self._unary("ListRegions", pb.ListRegionsRequest(), timeout, session)
 
     def reduce_stream(self, requests: Iterable[pb.ReduceStreamRequest | bytes],

@@ -16,6 +16,9 @@ class XReduceError(Exception):
         NOT_FOUND no device 'CPU:9'
     """
 
+    answered = False
+    """True when the daemon answered the call with this error; False when the SDK refused it before."""
+
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.message = message
@@ -84,12 +87,15 @@ def from_rpc_error(error: grpc.RpcError, address: str) -> XReduceError:
         >>> class Fake(grpc.RpcError):
         ...     def code(self): return grpc.StatusCode.UNAVAILABLE
         ...     def details(self): return "connection refused"
-        >>> str(from_rpc_error(Fake(), "127.0.0.1:1"))
-        'xreduce daemon at 127.0.0.1:1 is unavailable: connection refused'
+        >>> e = from_rpc_error(Fake(), "127.0.0.1:1")
+        >>> str(e), e.answered
+        ('xreduce daemon at 127.0.0.1:1 is unavailable: connection refused', True)
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, InternalError)
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"xreduce daemon at {address} is unavailable: {details}"
-    return cls(details, code)
+    err = cls(details, code)
+    err.answered = True
+    return err

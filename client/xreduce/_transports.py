@@ -112,12 +112,10 @@ def collective(client: Client, group: ProcessGroup | None) -> Iterator[pb.Collec
     spec = group.next_spec() if group is not None else None
     try:
         yield spec
-    except XReduceError:
-        # The daemon answered: it failed the collective for the others where it must. (A refusal before
-        # the collective call, e.g. of a region, leaves the others to their timeout; the number is spent.)
-        raise
-    except BaseException:
-        if spec is not None:
+    except BaseException as e:
+        # When the daemon answered, it failed the collective for the others where it must. (A refusal of
+        # an earlier call, e.g. of a region, leaves the others to their timeout; the number is spent.)
+        if spec is not None and not (isinstance(e, XReduceError) and e.answered):
             # A request the daemon rejects (no reduce op) fails the collective for every process.
             with contextlib.suppress(Exception):
                 client.batch_reduce(pb.BatchReduceRequest(collective=spec), 10.0)

@@ -18,8 +18,8 @@ command runs it): glibc then keeps at most :data:`MALLOC_ARENAS` arenas and
 maps every block of :data:`MALLOC_MMAP_THRESHOLD` bytes or more on its own, so
 freed arrays go back to the system instead of staying in one arena per
 thread. Measured with ``bench/load.py`` (32 clients x 500 mixed calls,
-replicas of 4 B to 4 MiB, ``--max-inflight-bytes`` 256 MiB): see README,
-"Faults and load".
+replicas of 4 B to 4 MiB, ``--max-inflight-bytes`` 256 MiB): see docs/benchmarks.md,
+"Load".
 """
 
 from __future__ import annotations

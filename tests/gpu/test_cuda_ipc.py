@@ -418,7 +418,7 @@ def _client(config: dict) -> dict:
     import grpc
     from xreduce.v1 import xreduce_pb2 as pb
     from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
-    from xreduce.wire import cuda_ipc
+    from xreduce.wire import SESSION_METADATA, cuda_ipc
 
     p = config["process_id"]
     devices = [f"GPU:{LOCAL * p + i}" for i in range(LOCAL)]
@@ -448,7 +448,7 @@ def _client(config: dict) -> dict:
             first = next(session)
             if not first.cuda_ipc:
                 return {"ok": False, "error": "OpenSession says the daemon cannot open CUDA IPC handles"}
-            md = (("x-xreduce-session", first.session_id),)
+            md = ((SESSION_METADATA, first.session_id),)
             try:
                 stub.RegisterRegion(pb.RegisterRegionRequest(
                     name="bad", cuda_ipc=pb.CudaIpcHandle(mem_handle=bytes(64), device_id=ein.device_id),

@@ -38,10 +38,10 @@ WORKER_SHAPE = (129, 3)
 
 
 def _reason() -> str | None:
-    from xreduce import _segments as _shm
+    from xreduce import _segments
     from xreduced.backends import cupy_backend
 
-    if not _shm.available():
+    if not _segments.available():
         return "no POSIX shared memory (/dev/shm) on this host"
     why = cupy_backend.unavailable_reason()
     return None if why is None else f"GPU backend unavailable: {why}"

@@ -19,26 +19,11 @@ import threading
 import numpy as np
 import pytest
 import xreduce
+from keras_env import CPU8, ENV, canonical_names, clean  # noqa: F401 (clean: an autouse fixture)
 from xreduce import distribution as dist
 from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, PerReplica, ReduceOp
 
-ENV = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "keras_utils.py"
-CPU8 = [f"cpu:{i}" for i in range(8)]
-
-
-def _canonical(names):
-    return tuple(xreduce.canonical(n) for n in names)
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    """No KERAS_DISTRIBUTION_* from the caller's shell; no state left behind."""
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    yield
-    dist.shutdown()
-    dist.set_distribution(None)
 
 
 @pytest.fixture
@@ -401,7 +386,7 @@ def test_all_reduce_gradients_mean_equals_numpy_mean(embedded):
     rng = np.random.default_rng(7)
     whole = rng.integers(-50, 50, size=(4, 3, 5)).astype(np.float64)  # exact in any summation order
     out = dp.all_reduce_gradients(_per_replica(whole))
-    assert isinstance(out, Mirrored) and out.devices == _canonical(dist.list_devices())
+    assert isinstance(out, Mirrored) and out.devices == canonical_names(dist.list_devices())
     for copy in out.values:
         np.testing.assert_array_equal(copy, whole.mean(axis=0))
     noisy = rng.normal(size=(4, 7)).astype(np.float32)
@@ -437,7 +422,7 @@ def test_all_reduce_gradients_of_distributed_batches(embedded):
 def test_values_without_devices_go_to_the_distribution_devices(embedded):
     dp = dist.DataParallel(devices=["cpu:3", "cpu:1"])
     out = dp.all_reduce_gradients(_per_replica([np.array([1.0]), np.array([3.0])]))
-    assert out.devices == _canonical(["cpu:3", "cpu:1"])
+    assert out.devices == canonical_names(["cpu:3", "cpu:1"])
     assert [v.tolist() for v in out.values] == [[2.0], [2.0]]
 
 

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from hypothesis import HealthCheck, given, settings
-from xreduce import _segments as _shm
+from xreduce import _segments
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce_bench import fuzzing as fuzz
 
-pytestmark = pytest.mark.skipif(not _shm.available(), reason="no POSIX shared memory (/dev/shm) on this host")
+pytestmark = pytest.mark.skipif(not _segments.available(), reason="no POSIX shared memory (/dev/shm) on this host")
 
 MESSAGES = 600
 RAW_CALLS = 300

@@ -19,6 +19,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from daemons import wait_log
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client.parser import text_string_to_metric_families
 from xreduce.v1 import xreduce_pb2 as pb
@@ -113,14 +114,6 @@ def wait_status(stub, check, what: str) -> pb.GetStatusResponse:
             return s
         assert time.monotonic() < deadline, f"the daemon never showed {what}; last status:\n{s}"
         time.sleep(0.02)
-
-
-def wait_log(daemon, pattern: str) -> re.Match:
-    deadline = time.monotonic() + 10
-    while not (m := re.search(pattern, daemon.log())):
-        assert time.monotonic() < deadline, f"no log line matches {pattern!r}:\n{daemon.log()}"
-        time.sleep(0.02)
-    return m
 
 
 def rejections(daemon) -> dict[str, float]:

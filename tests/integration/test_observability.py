@@ -9,13 +9,13 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import grpc
 import numpy as np
 import pytest
+from daemons import wait_log
 from prometheus_client.parser import text_string_to_metric_families
 from xreduce import _cli
 from xreduce.v1 import xreduce_pb2 as pb
@@ -69,14 +69,6 @@ def reduce_request(n: int = 4, devices=("CPU:0", "CPU:1")) -> pb.ReduceRequest:
 
 def method_stats(stub) -> dict[str, pb.MethodStats]:
     return {m.method: m for m in stub.GetStatus(pb.GetStatusRequest(), timeout=10).methods}
-
-
-def wait_log(daemon, pattern: str) -> re.Match:
-    deadline = time.monotonic() + 10
-    while not (m := re.search(pattern, daemon.log())):
-        assert time.monotonic() < deadline, f"no log line matches {pattern!r}:\n{daemon.log()}"
-        time.sleep(0.02)
-    return m
 
 
 def test_one_log_line_per_call_with_id_method_bytes_duration_status(stub, daemon):

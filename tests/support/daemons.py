@@ -8,8 +8,10 @@ daemons' lifetime uses it as a context manager.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
+import time
 
 from xreduce_bench.daemon import DaemonProcess
 
@@ -52,3 +54,19 @@ class Daemons:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def wait_log(daemon: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.Match:
+    """The first match of ``pattern`` in the daemon's log, waiting up to ``timeout`` seconds for it.
+
+    Example:
+        >>> with Daemons() as start:
+        ...     proc = start("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "2")
+        ...     wait_log(proc, r"event=serving .*devices=(\\d+)").group(1)
+        '2'
+    """
+    deadline = time.monotonic() + timeout
+    while not (m := re.search(pattern, daemon.log())):
+        assert time.monotonic() < deadline, f"no log line matches {pattern!r}:\n{daemon.log()}"
+        time.sleep(0.02)
+    return m

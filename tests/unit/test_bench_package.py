@@ -45,10 +45,10 @@ def test_the_bench_command_uses_only_public_sdk_names(module):
     assert private == []
 
 
-def test_xreduce_bench_without_the_package_names_the_extra(monkeypatch, capsys):
+def test_xreduce_bench_without_the_package_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "xreduce_bench", None)
     assert _cli.main(["bench", "--embedded"]) == 2
-    assert "pip install 'xreduce[bench]'" in capsys.readouterr().err
+    assert "pip install '.[bench]'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint32"])

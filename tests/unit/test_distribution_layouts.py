@@ -13,27 +13,9 @@ import threading
 
 import numpy as np
 import pytest
-import xreduce
+from keras_env import CPU8, canonical_names, clean  # noqa: F401 (clean: an autouse fixture)
 from xreduce import distribution as dist
 from xreduce.distribute import PerReplica
-
-ENV = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
-CPU8 = [f"cpu:{i}" for i in range(8)]
-
-
-def _canonical(names):
-    return tuple(xreduce.canonical(n) for n in names)
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    """No KERAS_DISTRIBUTION_* from the caller's shell; no state left behind."""
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    yield
-    dist.shutdown()
-    dist.set_distribution(None)
-
 
 # --- DeviceMesh ----------------------------------------------------------------------------------------------
 
@@ -263,7 +245,7 @@ def test_two_dimensional_mesh_warns_and_splits_along_the_first_axis():
     assert d.batch_dim_name == "batch"
     x = d.distribute_batch(np.arange(4))
     assert [v.tolist() for v in x.values] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert x.devices == _canonical(["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    assert x.devices == canonical_names(["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
 
 
 def test_get_data_layout(mesh8):
@@ -296,7 +278,7 @@ def test_distribute_batch_splits_as_numpy_array_split(rows, n):
     devices = [f"cpu:{i}" for i in range(n)]
     batch = np.arange(rows * 3).reshape(rows, 3)
     x = dist.DataParallel(devices=devices).distribute_batch(batch)
-    assert isinstance(x, PerReplica) and x.devices == _canonical(devices)
+    assert isinstance(x, PerReplica) and x.devices == canonical_names(devices)
     expected = np.array_split(batch, n)
     assert [v.shape for v in x.values] == [e.shape for e in expected]
     for got, want in zip(x.values, expected):

@@ -6,8 +6,8 @@ the reply is a header, then chunks. Chunks are encoded by hand
 (:func:`chunk_message`): protobuf would copy each chunk's bytes three times
 (into a ``bytes``, into the message, into its serialization); here a slice of
 the caller's array is copied once, into the message that goes on the wire.
-:func:`chunk_message_size` is the size of such a message, which the daemon
-counts as bytes in and out without serializing anything.
+:func:`chunk_message_size` is the size of such a message without building it,
+which shows the overhead bound below for any chunk.
 
 Chunks of either side stay within 1 MiB (data plus at most
 :data:`CHUNK_OVERHEAD_BYTES`), so any ``--max-message-bytes`` of 1 MiB or more
