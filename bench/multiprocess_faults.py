@@ -377,11 +377,11 @@ def part_c(d: DaemonProcess, mib: float, delays: list[float]) -> list[dict]:
 
 
 def part_d(limit: int) -> dict:
-    """A fresh daemon (default --workers 64, --collective-timeout 300): calls cancelled right after sending,
+    """A fresh daemon (default --workers 64, --collective-timeout 60): calls cancelled right after sending,
     in batches of 20, until ListDevices stops answering within 2 s (or ``limit`` calls)."""
     d = DaemonProcess(["--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "8"])
     raw = Raw(d.address, 0.0625)
-    print("(d) a fresh daemon (--workers 64, --collective-timeout 300): 2-process collectives whose one "
+    print("(d) a fresh daemon (--workers 64, --collective-timeout 60): 2-process collectives whose one "
           "share is cancelled right after sending, until ListDevices stops answering")
     sent, wedged = 0, None
     try:

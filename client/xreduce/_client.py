@@ -28,7 +28,10 @@ from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire.contract import SERVICE_NAME, SESSION_METADATA, method_path
 
 DEFAULT_TIMEOUT = 600.0
-"""Seconds a call may take when the caller gives no timeout: no wait is unbounded."""
+"""Seconds a call may take when the caller gives no timeout: no wait is unbounded. A collective's wait is
+the daemon's to end (``--collective-timeout``, default 60 s), with an error that names the missing
+processes; this deadline only ends calls to a daemon that stopped answering, and stays above any collective
+timeout an operator is likely to set, so that it never cuts such a wait short (docs/operations.md)."""
 
 MAX_MESSAGE_BYTES = (1 << 31) - 1
 

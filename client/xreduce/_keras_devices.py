@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from xreduce import _stall
 from xreduce._client import Client
 from xreduce._errors import DeadlineExceededError, UnavailableError
 from xreduce._runtime import ProcessGroup, process_group, set_process_group
@@ -306,7 +307,8 @@ class DistributionState:
         """Meets the other processes in the daemon (bounded by its --collective-timeout)."""
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
-        with Client(self._address, token=self._token) as client:
+        spec = pb.CollectiveSpec(group=name, num_processes=count, process_id=pid, name="join")
+        with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
             reply = client.join_group(pb.JoinGroupRequest(
                 group=name, num_processes=count, process_id=pid, devices=requested))
         return ProcessGroup(name, count, pid, tuple(reply.local_devices), tuple(reply.global_devices))

@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf import duration_pb2
 
-from xreduce import _ipc, _streaming
+from xreduce import _ipc, _stall, _streaming
 from xreduce._call import Algorithm, BroadcastCall, ReduceCall
 from xreduce._client import Client
 from xreduce._errors import XReduceError
@@ -102,7 +102,8 @@ def collective(client: Client, group: ProcessGroup | None) -> Iterator[pb.Collec
     """The next collective of this process's group (None without one), its sequence number
     taken first: when something fails on this side before the daemon answers, the collective
     is abandoned for every process (they get AbortedError at once) instead of the next call
-    of this process meeting the others' current one.
+    of this process meeting the others' current one. A collective that waits long warns
+    (:mod:`xreduce._stall`).
 
     Example:
         >>> with collective(Client("127.0.0.1:1"), None) as spec:
@@ -111,7 +112,8 @@ def collective(client: Client, group: ProcessGroup | None) -> Iterator[pb.Collec
     """
     spec = group.next_spec() if group is not None else None
     try:
-        yield spec
+        with _stall.watch(client, spec):
+            yield spec
     except BaseException as e:
         # When the daemon answered, it failed the collective for the others where it must. (A refusal of
         # an earlier call, e.g. of a region, leaves the others to their timeout; the number is spent.)

@@ -32,8 +32,12 @@ class Config:
     log_level: str = "INFO"
     grace_seconds: float = 10.0
     workers: int = 64
-    collective_timeout: float = 300.0
-    """Seconds a process waits for the others of its collective, unless its request says less."""
+    collective_timeout: float = 60.0
+    """Seconds a process waits for the others of its collective, unless its request says otherwise: a
+    minute, what a person at a terminal waits for a partner that never started (docs/operations.md)."""
+    stall_warning_seconds: float = 10.0
+    """Seconds a collective waits before the daemon logs who is missing (``event=collective_waiting``);
+    0: never. The SDK reads the same variable for its own warning."""
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -60,7 +64,9 @@ _FLAGS = {
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR; default INFO"),
     "grace_seconds": (float, "on SIGTERM/SIGINT, how long in-flight calls may finish; default 10"),
     "workers": (int, "threads serving calls (each waiting collective holds one); default 64"),
-    "collective_timeout": (float, "seconds a multi-process collective waits for every process; default 300"),
+    "collective_timeout": (float, "seconds a multi-process collective waits for every process; default 60"),
+    "stall_warning_seconds": (float, "seconds a collective waits before the log names who is missing "
+                              "(event=collective_waiting), then at gaps growing to 30 s; 0: never; default 10"),
     "tls_cert": (str, "PEM certificate chain: serve TLS (with --tls-key)"),
     "tls_key": (str, "PEM private key of --tls-cert"),
     "tls_client_ca": (str, "PEM CA bundle: require client certificates signed by it (mutual TLS)"),
@@ -177,6 +183,8 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be a number of seconds in [0, 3600]; got {value}")
     elif field == "collective_timeout" and not 0 < value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in (0, 86400]; got {value}")
+    elif field == "stall_warning_seconds" and not 0 <= value <= 86400:
+        raise ValueError(f"{source} must be a number of seconds in [0, 86400] (0: never); got {value}")
     elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives") and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "socket_group",

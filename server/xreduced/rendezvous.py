@@ -7,18 +7,38 @@ its own share of the result, or the same error. A collective that fails (a
 timeout, a disagreement, a participant leaving) fails for everyone; late
 arrivals to it get the same error for a while (a bounded, expiring record),
 and the group's next collective starts afresh.
+
+A collective that waits long says so in the log, without a thread of its own:
+its waiting participants wake when a report is due (``report_after`` seconds
+after the first arrival, then at gaps that double up to 30 s: at 10, 30, 60,
+90 s... by default) and the first awake logs who has arrived and who is missing::
+
+    event=collective_waiting group="train" collective=3 waited_s=10.0 num_processes=4 arrived=0,2 missing=1,3
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from xreduced.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, ServiceError
+
+log = logging.getLogger("xreduced.rendezvous")
+
+MAX_REPORT_GAP_SECONDS = 30.0
+"""The longest gap between two reports of one waiting collective (unless the first report comes later)."""
+
+
+def _next_gap(first: float, gap: float) -> float:
+    """The gap after ``gap`` between two reports: double, up to 30 s (or ``first`` if longer)."""
+    return min(2 * gap, max(MAX_REPORT_GAP_SECONDS, first))
 
 
 def missing_ids(num_processes: int, arrived) -> list[int]:
@@ -42,6 +62,18 @@ def _ids(ids: list[int]) -> str:
     return str(ids) if len(ids) <= 10 else f"{ids[:10]} and more"
 
 
+def _log_ids(ids: list[int], count: int) -> str:
+    """``1,3`` for a log line (no spaces), or the first ten and ``...+N``."""
+    shown = ",".join(str(i) for i in ids[:10])
+    return shown + (f",...+{count - 10}" if count > 10 else "") if shown else "none"
+
+
+def _ident(key: tuple[str, str]) -> str:
+    """How the log names a collective within its group: its sequence number or its quoted name."""
+    kind, _, ident = key[1].partition(":")
+    return ident if kind == "seq" else json.dumps(ident)
+
+
 @dataclasses.dataclass
 class _Collective:
     label: str
@@ -51,6 +83,10 @@ class _Collective:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     results: Mapping[int, Any] | None = None
     error: ServiceError | None = None
+    opened: float = dataclasses.field(default_factory=time.monotonic)
+    report_at: float = math.inf
+    """When the next ``event=collective_waiting`` line is due (monotonic seconds); inf: none."""
+    report_gap: float = 0.0
 
     def raise_error(self) -> None:
         """Raises a fresh copy of the error: one exception object raised in several
@@ -64,6 +100,8 @@ class Rendezvous:
     Args:
         failed_ttl: seconds a failed collective's error is kept for late arrivals.
         max_failed: how many failed collectives are remembered at most.
+        report_after: seconds a collective waits before its waiting is logged
+            (then at gaps that double up to 30 s); 0: never.
 
     Example:
         >>> import threading
@@ -79,8 +117,9 @@ class Rendezvous:
         [(0, 10), (1, 10)]
     """
 
-    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096):
+    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0):
         self._lock = threading.Lock()
+        self._report_after = report_after
         self._open: dict[tuple[str, str], _Collective] = {}
         self._failed: collections.OrderedDict[tuple[str, str], tuple[float, type[ServiceError], str]] = (
             collections.OrderedDict()
@@ -139,7 +178,10 @@ class Rendezvous:
                 raise kind(message)
             c = self._open.get(key)
             if c is None:
-                c = self._open[key] = _Collective(label, num_processes)
+                c = self._open[key] = _Collective(label, num_processes, opened=now)
+                if self._report_after > 0:
+                    c.report_at = now + self._report_after
+                    c.report_gap = _next_gap(self._report_after, self._report_after)
             if num_processes != c.num_processes:
                 first = min(c.arrived)
                 self._fail(key, c, InvalidArgument(
@@ -176,7 +218,7 @@ class Rendezvous:
             leave = lambda: self._leave(key, c, process_id, remember_failure)  # noqa: E731
             if on_leave(leave) is False:  # gRPC: the call had already ended
                 leave()
-        if not c.done.wait(timeout):
+        if not self._wait(key, c, timeout):
             with self._lock:
                 if not c.done.is_set() and not c.complete:
                     self._fail(key, c, DeadlineExceeded(
@@ -190,6 +232,35 @@ class Rendezvous:
         if c.error is not None:
             c.raise_error()
         return c.results[process_id]
+
+    def _wait(self, key: tuple[str, str], c: _Collective, timeout: float) -> bool:
+        """Waits at most ``timeout`` s for ``c`` to be done, waking only when a report is due."""
+        end = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if c.done.wait(max(min(end, c.report_at) - now, 0.0)):
+                return True
+            now = time.monotonic()
+            if now >= end:
+                return False
+            self._report(key, c, now)
+
+    def _report(self, key: tuple[str, str], c: _Collective, now: float) -> None:
+        """Logs who has arrived and who is missing, once per report time (the first waiter awake does)."""
+        with self._lock:
+            if now < c.report_at:
+                return  # another waiter has reported
+            if c.done.is_set() or c.complete:
+                c.report_at = math.inf
+                return
+            while c.report_at <= now:
+                c.report_at += c.report_gap
+                c.report_gap = _next_gap(self._report_after, c.report_gap)
+            arrived = sorted(c.arrived)
+            missing = missing_ids(c.num_processes, c.arrived)
+        log.warning("event=collective_waiting group=%s collective=%s waited_s=%.1f num_processes=%d arrived=%s "
+                    "missing=%s", json.dumps(key[0]), _ident(key), now - c.opened, c.num_processes,
+                    _log_ids(arrived, len(arrived)), _log_ids(missing, c.num_processes - len(arrived)))
 
     def forget_failures(self, group: str) -> None:
         """Forgets the remembered failures of ``group``: a new job of that name starts afresh."""

@@ -61,15 +61,15 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         ['CPU:0', 'CPU:1']
     """
 
-    def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = 300.0,
+    def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = Config.collective_timeout,
                  rendezvous: Rendezvous | None = None, config: Config | None = None,
                  regions: RegionTable | None = None):
         self.engine = engine
         self.backend_name = backend_name
         self.devices = DeviceTable(engine.backend.devices())
         self.collective_timeout = collective_timeout
-        self.rendezvous = rendezvous or Rendezvous()
         self.config = config or Config()
+        self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
         self.admission = Admission.from_config(self.config)
         self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.rendezvous.pending)
         backend = engine.backend

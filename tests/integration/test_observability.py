@@ -156,7 +156,7 @@ def test_xreduce_status_prints_devices_limits_and_counters(stub, daemon, capsys)
     assert re.match(rf"xreduced \S+ at {re.escape(daemon.address)}, up [\d.]+s\n  backend   numpy\n"
                     r"  security  plaintext, no token\n\ndevices \(4\)\n  CPU:0 ", out), out
     for line in ("  max request bytes    1 GiB (1073741824)", "  max in-flight bytes  4 GiB (4294967296)",
-                 "  max collectives      1024", "  collective timeout   300s", "  in-flight bytes      0 B (0)",
+                 "  max collectives      1024", "  collective timeout   60s", "  in-flight bytes      0 B (0)",
                  "  collectives waiting  0"):
         assert line + "\n" in out, out
     assert re.search(r"\n  Reduce +\d+  OK \d+", out), out

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
-from xreduce import wire
+from xreduce import _client, _stall, wire
 from xreduced import config
 from xreduced.config import Config, resolve
 
@@ -19,6 +21,7 @@ SETTINGS = {
     "grace_seconds": ("2.5", 2.5, "0", 0.0),
     "workers": ("4", 4, "2", 2),
     "collective_timeout": ("1.5", 1.5, "30", 30.0),
+    "stall_warning_seconds": ("0.5", 0.5, "0", 0.0),
     "tls_cert": ("/a/cert.pem", "/a/cert.pem", "/b/cert.pem", "/b/cert.pem"),
     "tls_key": ("/a/key.pem", "/a/key.pem", "/b/key.pem", "/b/key.pem"),
     "tls_client_ca": ("/a/ca.pem", "/a/ca.pem", "/b/ca.pem", "/b/ca.pem"),
@@ -38,7 +41,8 @@ DEFAULTS = {
     "log_level": "INFO",
     "grace_seconds": 10.0,
     "workers": 64,
-    "collective_timeout": 300.0,
+    "collective_timeout": 60.0,
+    "stall_warning_seconds": 10.0,
     "tls_cert": None,
     "tls_key": None,
     "tls_client_ca": None,
@@ -50,6 +54,7 @@ DEFAULTS = {
     "max_collectives": 1024,
     "metrics_listen": None,
 }
+ROOT = Path(__file__).resolve().parents[2]
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
 ENV = {f: "XREDUCE_" + f.upper() for f in SETTINGS}
 
@@ -63,6 +68,19 @@ def test_defaults():
     assert got == Config()
     assert dataclasses.asdict(got) == DEFAULTS
     assert wire.DEFAULT_ADDRESS == DEFAULTS["listen"]  # the SDK looks where the daemon listens
+
+
+def test_the_sdk_waits_longer_than_the_daemon_and_warns_when_it_logs():
+    """A collective that waits out the daemon's timeout, the default or one the deploy files set, ends with
+    the daemon's error (it names the missing processes), not the SDK's own deadline; the SDK's stall warning
+    reads the daemon's variable."""
+    deployed = [float(v) for f in (ROOT / "deploy").rglob("*.y*ml")
+                for v in re.findall(r'XREDUCE_COLLECTIVE_TIMEOUT[:=]\s*"?([\d.]+)', f.read_text())]
+    assert deployed, "the deploy files set their collective timeout"
+    for timeout in [DEFAULTS["collective_timeout"], *deployed]:
+        assert _client.DEFAULT_TIMEOUT >= 2 * timeout
+    assert _stall.ENV_STALL_WARNING == config.env_name("stall_warning_seconds")
+    assert _stall.DEFAULT_STALL_WARNING_SECONDS == DEFAULTS["stall_warning_seconds"]
 
 
 @pytest.mark.parametrize("field", SETTINGS)
@@ -162,6 +180,8 @@ BAD = [
     ("grace_seconds", "-1", "must be a number of seconds in [0, 3600]; got -1.0"),
     ("collective_timeout", "0", "must be a number of seconds in (0, 86400]; got 0.0"),
     ("collective_timeout", "nan", "must be a number of seconds in (0, 86400]; got nan"),
+    ("stall_warning_seconds", "-1", "must be a number of seconds in [0, 86400] (0: never); got -1.0"),
+    ("stall_warning_seconds", "nan", "must be a number of seconds in [0, 86400] (0: never); got nan"),
     ("grace_seconds", "soon", "must be float; got 'soon'"),
     ("workers", "0", "must be >= 1; got 0"),
     ("workers", "-1", "must be >= 1; got -1"),

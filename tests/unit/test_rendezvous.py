@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 
@@ -208,3 +210,44 @@ def test_a_crash_in_compute_still_releases_the_waiters():
     out = _members(r, {0: 1, 1: 2}, 2, compute=compute)
     assert sorted(type(e).__name__ for e in out.values()) == ["Internal", "ZeroDivisionError"]
     assert r.pending() == 0
+
+
+# --- the waiting line ---------------------------------------------------------------------------------------
+
+
+def _waiting_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "xreduced.rendezvous" and "event=collective_waiting" in r.getMessage()]
+
+
+def test_a_waiting_collective_is_logged_at_growing_gaps_naming_who_is_missing(caplog):
+    caplog.set_level(logging.WARNING, "xreduced.rendezvous")
+    r = Rendezvous(report_after=0.1)
+    out = _members(r, {0: 1, 2: 1}, 4, timeout=0.5)
+    assert all(isinstance(e, DeadlineExceeded) for e in out.values())
+    lines = _waiting_lines(caplog)
+    # Due at 0.1 s and 0.3 s (gaps double): one line each, whichever waiter is awake first writes it.
+    assert len(lines) == 2, lines
+    for line, due in zip(lines, (0.1, 0.3)):
+        found = re.fullmatch(r'event=collective_waiting group="g" collective=0 waited_s=([\d.]+) num_processes=4 '
+                             r"arrived=0,2 missing=1,3", line)
+        assert found and due <= float(found[1]) < due + 0.2, line
+
+
+def test_the_waiting_line_names_a_collective_by_name_and_cuts_long_lists(caplog):
+    caplog.set_level(logging.WARNING, "xreduced.rendezvous")
+    r = Rendezvous(report_after=0.05)
+    out = _members(r, {p: 1 for p in range(12)}, 40, timeout=0.1, key=('my "job"', "name:join"))
+    assert all(isinstance(e, DeadlineExceeded) for e in out.values())
+    (line,) = _waiting_lines(caplog)
+    assert 'group="my \\"job\\"" collective="join" ' in line
+    assert line.endswith("num_processes=40 arrived=0,1,2,3,4,5,6,7,8,9,...+2 missing=12,13,14,15,16,17,18,19,20,21,"
+                         "...+18"), line
+
+
+def test_a_collective_that_completes_in_time_or_with_reports_off_logs_nothing(caplog):
+    caplog.set_level(logging.WARNING, "xreduced.rendezvous")
+    assert _members(Rendezvous(report_after=5.0), {0: 1, 1: 2}, 2) == {0: 3, 1: 3}
+    out = _members(Rendezvous(report_after=0), {0: 1}, 2, timeout=0.2)
+    assert isinstance(out[0], DeadlineExceeded)
+    assert _waiting_lines(caplog) == []
