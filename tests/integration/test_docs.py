@@ -5,10 +5,13 @@ Two kinds of fenced block show output, and both are run:
 - ``pycon`` blocks (``>>>`` prompts) run with doctest: the blocks of one file are one session, in
   a fresh interpreter, inside ``xreduce.serve_embedded()``, which stands in for the daemon of the
   README's first command.
-- ``console`` blocks (``$`` prompts) run each command with bash from the repository root, in a
-  fresh environment with only the virtual environment's ``bin`` before the system's on ``PATH``,
-  and compare what it prints (stdout and stderr together) with the lines below it. The commands
-  of one file share one daemon (8 host devices, metrics on): in a command, ``127.0.0.1:50551``
+- ``console`` blocks (``$`` prompts) run each command as a user's fresh shell does after the
+  README's two commands and its activation line (``. .venv/bin/activate``): bash from the repository
+  root, an environment with the system's ``PATH`` and nothing of this process's ``XREDUCE_*``, the
+  activation line run first; ``.venv`` in a command is the virtual environment that runs the tests
+  (the README's, in CI). They compare what each command prints (stdout and stderr together) with
+  the lines below it. The commands of one file share one daemon (8 host devices, metrics on), which
+  stands in for the one the README's first command left running: in a command, ``127.0.0.1:50551``
   names it and ``127.0.0.1:9464`` its metrics endpoint, and ``XREDUCE_ADDRESS`` points at it; a
   daemon the command starts itself listens on a free port. Their addresses print as those of the
   docs. A line ``^C`` is Ctrl-C: the command runs until it has printed the lines above it, then
@@ -47,6 +50,10 @@ import pytest
 ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BIN = pathlib.Path(sys.executable).parent
+VENV = BIN.parent
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+ACTIVATE = ". .venv/bin/activate"
+"""The line that the README, right after its two commands, tells a user to run in the second terminal."""
 DAEMON_ADDRESS = "127.0.0.1:50551"
 METRICS_ADDRESS = "127.0.0.1:9464"
 TIMEOUT = 90
@@ -125,9 +132,8 @@ def _free_port() -> int:
 
 
 def _fresh_env(**extra: str) -> dict[str, str]:
-    """A new user's shell: the virtual environment first on PATH, nothing of this process's XREDUCE_*."""
-    env = {"PATH": f"{BIN}{os.pathsep}/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
+    """A new user's shell before activation: the system's PATH, nothing of this process's XREDUCE_*."""
+    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
     env.update(extra)
     return env
 
@@ -173,9 +179,17 @@ class _Daemon:
                 self.proc.wait()
 
 
+_VENV_IN_COMMAND = re.compile(r"(?<![\w./-])\.venv/")
+
+
+def _as_a_user(source: str) -> str:
+    """``source`` in the activated shell of the README's second terminal, ``.venv`` this test's environment."""
+    return _VENV_IN_COMMAND.sub(f"{VENV}/", f"{ACTIVATE}\n{source}")
+
+
 def _run(command: Command, env: dict[str, str]) -> str:
     """Runs one command as a user would in a terminal; returns what it printed."""
-    proc = subprocess.Popen(["bash", "-c", command.source], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(["bash", "-c", _as_a_user(command.source)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     printed: list[str] = []
 
@@ -231,6 +245,16 @@ def test_every_block_that_shows_output_is_checked():
                 raise AssertionError(f"{where}: <!-- not run: ... --> needs its reason")
 
 
+def test_the_readme_says_to_activate_right_after_its_two_commands():
+    readme = blocks(ROOT / "README.md")
+    first = [b for b in readme if b.lang == "sh"][:3]
+    assert [b.lines for b in first][2:] == [[ACTIVATE]], "the README's third sh block is the activation line"
+    between = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()[first[1].line:first[2].line]
+    said = " ".join(between)
+    for what in ("Python 3.11", "busy", "another terminal", "`dev` extra", "grpcurl"):
+        assert what in said, f"README: between the test command and the activation line, say {what!r}"
+
+
 def test_the_readme_test_command_is_what_ci_runs():
     readme = [b for b in blocks(ROOT / "README.md") if b.lang == "sh"]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
@@ -249,7 +273,7 @@ def test_console_blocks(path):
             for block in _runnable(path, "console"):
                 for command in commands(block):
                     program = next(word for word in command.source.split() if "=" not in word)
-                    if "/" not in program and shutil.which(program, path=env["PATH"]) is None:
+                    if "/" not in program and shutil.which(program, path=f"{BIN}{os.pathsep}{SYSTEM_PATH}") is None:
                         pytest.skip(f"{program} is not installed ({path.name}:{command.line})")
                     for doc, real in into.items():
                         command.source = command.source.replace(doc, real)
