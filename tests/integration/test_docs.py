@@ -139,18 +139,23 @@ def _fresh_env(**extra: str) -> dict[str, str]:
 
 
 class _Daemon:
-    """A context that runs ``xreduced`` on free ports; ``address`` and ``metrics`` once it serves."""
+    """A context that runs ``xreduced`` on free ports; ``address`` and ``metrics`` once it serves.
 
-    def __init__(self, env: dict[str, str]):
+    ``flags`` come first (a later ``--listen`` would win), ``cwd`` is where relative paths in them start.
+    """
+
+    def __init__(self, env: dict[str, str], *flags: str, cwd: pathlib.Path = ROOT):
         self.env = env
+        self.flags = flags
+        self.cwd = cwd
         self.log: list[str] = []
         self.address = self.metrics = ""
 
     def __enter__(self) -> _Daemon:
         self.proc = subprocess.Popen(
-            [str(BIN / "xreduced"), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            [str(BIN / "xreduced"), *self.flags, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
              "--backend", "numpy"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env, cwd=self.cwd)
         serving = threading.Event()
 
         def drain() -> None:
@@ -187,9 +192,9 @@ def _as_a_user(source: str) -> str:
     return _VENV_IN_COMMAND.sub(f"{VENV}/", f"{ACTIVATE}\n{source}")
 
 
-def _run(command: Command, env: dict[str, str]) -> str:
+def _run(command: Command, env: dict[str, str], cwd: pathlib.Path = ROOT) -> str:
     """Runs one command as a user would in a terminal; returns what it printed."""
-    proc = subprocess.Popen(["bash", "-c", _as_a_user(command.source)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(["bash", "-c", _as_a_user(command.source)], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     printed: list[str] = []
 
@@ -281,6 +286,34 @@ def test_console_blocks(path):
                     for real, doc in back.items():
                         got = got.replace(real, doc)
                     _check(command, got, path)
+
+
+def _block_with(path: pathlib.Path, lang: str, text: str) -> Block:
+    found = [b for b in blocks(path) if b.lang == lang and any(text in line for line in b.lines)]
+    assert len(found) == 1, f"{path.name}: one {lang} block holds {text!r}; found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is missing")
+def test_the_tls_example_of_sdk_md_prints_what_it_shows(tmp_path):
+    """sdk.md's ``sdk.py``, against the mutual-TLS daemon with a token that operations.md makes.
+
+    Its console block is marked not run (the generic runner has no certificates); this runs it.
+    """
+    make = _block_with(ROOT / "docs" / "operations.md", "sh", "openssl req -x509")
+    daemon_line = next(line for line in make.lines if line.startswith("xreduced "))
+    script = "\n".join(make.lines[:make.lines.index(daemon_line)])
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_fresh_env(HOME=str(tmp_path)), check=True,
+                   capture_output=True, timeout=TIMEOUT)  # the certificates and the token
+    program = _block_with(ROOT / "docs" / "sdk.md", "python", "HierarchicalCopyAllReduce(address=")
+    sdk_md = blocks(ROOT / "docs" / "sdk.md")
+    shown = sdk_md[sdk_md.index(program) + 1]
+    assert shown.lang == "console" and "python sdk.py" in "".join(shown.lines)
+    env = _fresh_env(HOME=str(tmp_path))
+    with _Daemon(env, *daemon_line.split()[1:], cwd=tmp_path) as daemon:
+        (tmp_path / "sdk.py").write_text("\n".join(program.lines).replace(DAEMON_ADDRESS, daemon.address) + "\n")
+        for command in commands(shown):
+            _check(command, _run(command, env, cwd=tmp_path), ROOT / "docs" / "sdk.md")
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if _runnable(p, "pycon")], ids=_id)
