@@ -266,6 +266,11 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert readme[1].lines[0] in ci, f"README's test command {readme[1].lines[0]!r} is not a line of .ci/run"
 
 
+in_a_venv = pytest.mark.skipif(not (BIN / "activate").exists(), reason=f"{sys.executable} is not in a virtual "
+                               "environment, and the README's user runs these commands in an activated one")
+
+
+@in_a_venv
 @pytest.mark.parametrize("path", [p for p in DOCS if _runnable(p, "console")], ids=_id)
 def test_console_blocks(path):
     with tempfile.TemporaryDirectory(prefix="xreduce-docs-") as home:
@@ -294,6 +299,7 @@ def _block_with(path: pathlib.Path, lang: str, text: str) -> Block:
     return found[0]
 
 
+@in_a_venv
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is missing")
 def test_the_tls_example_of_sdk_md_prints_what_it_shows(tmp_path):
     """sdk.md's ``sdk.py``, against the mutual-TLS daemon with a token that operations.md makes.
