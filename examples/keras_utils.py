@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import sys
 
+import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
 import xreduce
 from xreduce import distribution

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
 import xreduce
 from xreduce.distribute import HierarchicalCopyAllReduce, MirroredStrategy, ReduceOp

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
 import xreduce
 from xreduce import distribution

@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-bytes", type=parse_bytes, default=4, help="smallest size per device (default 4)")
     p.add_argument("--max-bytes", type=parse_bytes, default=256 << 20,
                    help="largest size per device (default 256MiB)")
-    p.add_argument("--step-factor", type=int, default=2, help="each size is the last times this (default 2)")
+    p.add_argument("--step-factor", type=int, default=2, help="each size is the last times this, up to --max-bytes, "
+                   "which is always measured (default 2)")
     p.add_argument("--processes", type=int, default=1, help="xreduce worker processes (default 1)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices per process (default 1 with several processes, else all the daemon's)")

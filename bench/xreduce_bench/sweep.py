@@ -108,27 +108,33 @@ def bus_factor(op: str, ranks: int) -> float:
 
 
 def size_ladder(min_bytes: int, max_bytes: int, step_factor: int, itemsize: int) -> tuple[int, ...]:
-    """The sizes of a sweep: ``min_bytes`` times ``step_factor`` while at most
-    ``max_bytes``, each rounded down to whole elements (sizes under one element
-    are dropped).
+    """The sizes of a sweep: ``min_bytes`` times ``step_factor`` while below
+    ``max_bytes``, then ``max_bytes`` itself, each rounded down to whole
+    elements (sizes under one element are dropped).
+
+    The largest size asked for is always measured, even when the steps jump
+    over it (``--max-bytes 1MiB --step-factor 16``).
 
     Example:
         >>> size_ladder(4, 64, 2, 4)
         (4, 8, 16, 32, 64)
+        >>> size_ladder(4, 1 << 20, 16, 4)
+        (4, 64, 1024, 16384, 262144, 1048576)
         >>> size_ladder(4, 100, 4, 8)
-        (16, 64)
+        (16, 64, 96)
     """
     if min_bytes < 1 or max_bytes < min_bytes or step_factor < 2 or itemsize < 1:
         raise ValueError(f"need 1 <= min_bytes <= max_bytes and step_factor >= 2; got min_bytes={min_bytes}, "
                          f"max_bytes={max_bytes}, step_factor={step_factor}")
     sizes: list[int] = []
     size = min_bytes
-    while size <= max_bytes:
-        whole = size // itemsize * itemsize
+    while True:
+        whole = min(size, max_bytes) // itemsize * itemsize
         if whole and whole not in sizes:
             sizes.append(whole)
+        if size >= max_bytes:
+            return tuple(sizes)
         size *= step_factor
-    return tuple(sizes)
 
 
 def numpy_dtype(name: str) -> np.dtype:

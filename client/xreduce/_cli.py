@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -122,7 +124,9 @@ def _status(args: argparse.Namespace) -> int:
             print(f"xreduce status: cannot get the status of the daemon at {address}{what}: {e}", file=sys.stderr)
             return 1
     if args.json:
-        print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
+        # The proto's own field names (snake_case), as grpcurl prints the same message.
+        print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True,
+                                        preserving_proto_field_name=True))
     else:
         print(describe_status(status, address))
     return 0
@@ -144,12 +148,36 @@ def _bench(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``xreduce`` command.
 
+    A reader that stops reading (``xreduce status | head -2``) ends the
+    command quietly, with the status of a process killed by SIGPIPE.
+
     Example (shell):
         $ xreduce plan --devices 8 --num-packs 2 --bytes 1MiB
         $ xreduce status --address 127.0.0.1:50551 --json
         $ xreduce bench --embedded --processes 4 --max-bytes 64MiB --peers --echo
     """
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        status = _command(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # here, not at exit: a reader that went away shows up inside the try
+        return status
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Quiets stdout after its reader went away; returns the status of a process killed by SIGPIPE.
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises ``BrokenPipeError``
+    where a C tool would end silently; the interpreter would raise it once more
+    when it flushes stdout at exit, unless stdout points at ``/dev/null``.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _command(argv: Sequence[str]) -> int:
     if list(argv[:1]) == ["plan"]:  # every argument after it is xreduced plan's
         return _plan(argv[1:])
     p = argparse.ArgumentParser(prog="xreduce", description="xreduce tools")

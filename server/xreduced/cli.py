@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -33,8 +34,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     if list(argv[:1]) == ["plan"]:
-        return plan(argv[1:])
+        try:
+            status = plan(argv[1:])
+            sys.stdout.flush()  # here, not at exit: a reader that went away (`| head`) shows up inside the try
+            return status
+        except BrokenPipeError:
+            return _reader_gone()
     return serve(argv)
+
+
+def _reader_gone() -> int:
+    """Quiets stdout after its reader went away; returns the status of a process killed by SIGPIPE.
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises ``BrokenPipeError``
+    where a C tool would end silently; the interpreter would raise it once more
+    when it flushes stdout at exit, unless stdout points at ``/dev/null``.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def serve(argv: Sequence[str]) -> int:

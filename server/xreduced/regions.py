@@ -132,7 +132,10 @@ def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> t
             raise InvalidArgument(f"offset + byte_size: {offset} + {byte_size} = {offset + byte_size} bytes, but "
                                   f"shared-memory object {key!r} holds {size}")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(fd, offset + byte_size - start, offset=start)
+        # Populated now, in one pass: faulting the pages in one by one at the first call's reads and writes
+        # costs 0.2-0.5 s per GiB more, a slowness the first call would show (docs/transports.md).
+        mm = mmap.mmap(fd, offset + byte_size - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       offset=start)
     except BaseException:
         os.close(fd)
         raise

