@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from xreduce_bench.sweep import parse_bytes, size_ladder
+from xreduce_bench.sweep import size_ladder
+from xreduced.cli import parse_bytes
 
 
 def test_a_step_that_jumps_over_the_max_still_measures_the_max():
