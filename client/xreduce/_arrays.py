@@ -14,7 +14,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from xreduce.wire.codec import SUPPORTED_DTYPES
+
 _INT32 = np.iinfo(np.int32)
+_REPR_CHARS = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,74 @@ def to_host(value: Any) -> HostArray:
     raise ValueError(
         f"Attempt to convert a value ({value!r}) with an unsupported type ({type(value)}) to an array."
     )
+
+
+def _dtype_of(value: Any) -> tuple[str, str] | None:
+    """The dtype of a value as (its name, how to show it), read without copying
+    anything off a GPU; None for Python scalars and what has no dtype (``to_host`` judges those)."""
+    if isinstance(value, (list, tuple)):
+        try:
+            dtype = np.asarray(value).dtype
+        except ValueError:  # ragged nesting: numpy would need an object array
+            dtype = np.dtype(object)
+        return dtype.name, str(dtype)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return None
+    if type(value).__module__.split(".")[0] == "torch":
+        return str(dtype).removeprefix("torch."), str(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return dtype.name, str(dtype)
+
+
+def _what(name: str, shown: str) -> tuple[str, str]:
+    """The kind of array a dtype makes, and what to do about it, in words."""
+    if name == "object":
+        return f"an array of Python objects (dtype {shown})", "make it an array of numbers, e.g. " \
+            "np.asarray(x, dtype=np.float32)"
+    if name.startswith("str"):
+        return f"an array of strings (dtype {shown})", "only numbers can"
+    if name.startswith("bytes"):
+        return f"an array of byte strings (dtype {shown})", "only numbers can"
+    if name == "bool":
+        return f"a bool array (dtype {shown})", "cast it first, e.g. x.astype(np.int32)"
+    return f"dtype {shown}", "it is not one the daemon reduces"
+
+
+def _short_repr(value: Any) -> str:
+    with np.printoptions(threshold=4, edgeitems=2):
+        text = " ".join(repr(value).split())
+    return text if len(text) <= _REPR_CHARS else text[:_REPR_CHARS - 3] + "..."
+
+
+def check_dtype(value: Any, argument: str) -> None:
+    """Refuses a value whose dtype the daemon does not reduce, before anything is staged or sent.
+
+    Args:
+        value: an array (numpy, CuPy, torch, JAX) or a Python list; Python
+            scalars and values without a dtype are left to :func:`to_host`.
+        argument: the argument path the caller gave it as, for the message.
+
+    Raises:
+        ValueError: the dtype is not in ``xreduce.SUPPORTED_DTYPES``; the
+            message names ``argument``, the kind of array, what to do, the
+            supported dtypes and the value.
+
+    Example:
+        >>> check_dtype(np.array(["a"]), "tensor")
+        Traceback (most recent call last):
+        ...
+        ValueError: tensor: an array of strings (dtype <U1) cannot be reduced: only numbers can; supported ...
+    """
+    found = _dtype_of(value)
+    if found is None or found[0] in SUPPORTED_DTYPES:
+        return
+    what, todo = _what(*found)
+    raise ValueError(f"{argument}: {what} cannot be reduced: {todo}; supported dtypes: "
+                     f"{', '.join(SUPPORTED_DTYPES)} (xreduce.SUPPORTED_DTYPES); got {_short_repr(value)}")
 
 
 _TENSOR_MODULES = ("cupy", "torch", "jax", "jaxlib")

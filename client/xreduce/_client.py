@@ -1,24 +1,26 @@
 """The connection to a daemon: credentials, a lazy channel, a typed method per RPC.
 
-Resilience lives in the channel: it reconnects on its own after the daemon
-restarts (fast reconnect backoff), idempotent calls (ListDevices, GetStatus,
-health) are retried on UNAVAILABLE with exponential backoff through the gRPC
-service config, and collectives are never retried nor queued (no
-wait_for_ready), so they fail fast with an UnavailableError naming the address.
+Resilience: the channel reconnects on its own after the daemon restarts (fast
+reconnect backoff); idempotent calls (ListDevices, GetStatus, health) are
+retried on UNAVAILABLE with exponential backoff (:data:`RETRY_POLICY`), except
+when the failure is a TLS mismatch, which no retry heals; collectives are never
+retried nor queued (no wait_for_ready), so they fail fast with an
+UnavailableError naming the address.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import random
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
 from xreduce import _runtime
-from xreduce._errors import InvalidArgumentError, from_rpc_error
+from xreduce._errors import InvalidArgumentError, Security, from_rpc_error, tls_hint
 from xreduce._options import ENV_TRANSPORT, ConnectionOptions, Pem, check_transport, merge
 from xreduce._segments import SHM_DIR, available
 from xreduce._session import Session
@@ -49,34 +51,45 @@ ENV_TLS_SERVER_NAME = "XREDUCE_TLS_SERVER_NAME"
 IDEMPOTENT_METHODS = ((SERVICE_NAME, "ListDevices"), (SERVICE_NAME, "GetStatus"), ("grpc.health.v1.Health", "Check"))
 """The calls retried on UNAVAILABLE; collectives (Reduce, BatchReduce, Broadcast, JoinGroup) never are."""
 
-RETRY_POLICY = {
-    "maxAttempts": 5,
-    "initialBackoff": "0.1s",
-    "maxBackoff": "2s",
-    "backoffMultiplier": 4,
-    "retryableStatusCodes": ["UNAVAILABLE"],
-}
-"""Up to 5 attempts, waiting about 0.1 s, 0.4 s, 1.6 s, 2 s between them (gRPC adds jitter)."""
 
-SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": service, "method": method} for service, method in IDEMPOTENT_METHODS],
-        "retryPolicy": RETRY_POLICY,
-    }],
-})
-"""The gRPC service config of every SDK channel."""
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How idempotent calls are retried on UNAVAILABLE, as gRPC's retry policy would: the wait before
+    attempt ``n + 1`` is ``initial_backoff * multiplier ** (n - 1)``, at most ``max_backoff``, give or take
+    ``jitter``; all attempts within the call's timeout.
+
+    The SDK retries rather than gRPC so that a TLS mismatch, which no retry
+    heals, fails at once.
+
+    Example:
+        >>> 0.8 * 1.6 <= RETRY_POLICY.backoff(3) <= 1.2 * 1.6
+        True
+    """
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 4.0
+    jitter: float = 0.2
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based)."""
+        base = min(self.initial_backoff * self.multiplier ** (attempt - 1), self.max_backoff)
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+RETRY_POLICY = RetryPolicy()
+"""Up to 5 attempts, waiting about 0.1 s, 0.4 s, 1.6 s, 2 s between them."""
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_retries", 1),
-    ("grpc.service_config", SERVICE_CONFIG),
     # Reconnect soon after the daemon comes back: 100 ms, growing to 2 s at most (gRPC's default: 1 s to 120 s).
     # (grpc.min_reconnect_backoff_ms, the connect timeout, keeps its 20 s: a far daemon must have time to answer.)
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
-"""Options of every SDK channel: message limits, retries, fast reconnects."""
+"""Options of every SDK channel: message limits, fast reconnects."""
 
 
 def _pem(value: Pem | None, what: str) -> bytes | None:
@@ -123,8 +136,10 @@ class Client:
 
     Idempotent calls (ListDevices, GetStatus, health) are retried while the
     daemon is unavailable (5 attempts over about 4 s); collectives fail at
-    once with :class:`xreduce.UnavailableError`. The channel reconnects by
-    itself after the daemon restarts: keep using the same client.
+    once with :class:`xreduce.UnavailableError`, and so does every call when
+    the failure looks like a TLS mismatch (the message says which settings to
+    check). The channel reconnects by itself after the daemon restarts: keep
+    using the same client.
 
     Each RPC method takes the request message and returns the response
     message; ``timeout=`` bounds the call, ``session=`` names the session
@@ -236,6 +251,13 @@ class Client:
             return None
         return os.environ.get(name) or None
 
+    def _security(self) -> Security:
+        """What this client offers the daemon, for the hint of a TLS mismatch."""
+        tls = self.tls
+        certificate = tls and (self._options.certificate_chain is not None
+                               or self._from_env(ENV_TLS_CLIENT_CERT) is not None)
+        return Security(tls=tls, client_certificate=certificate)
+
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         token = self._options.token if self._options.token is not None else os.environ.get(ENV_TOKEN)
         return (("authorization", f"Bearer {token}"),) if token else ()
@@ -279,11 +301,25 @@ class Client:
         """Calls the unary RPC ``method``; the session's id goes in the metadata when given."""
         stub = self._get()[1]
         metadata = self._metadata() + (((SESSION_METADATA, session),) if session else ())
-        try:
-            return getattr(stub, method)(request, timeout=self.timeout if timeout is None else timeout,
-                                         metadata=metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+        retried = (SERVICE_NAME, method) in IDEMPOTENT_METHODS
+        return self._call(getattr(stub, method), request, timeout, metadata, retried)
+
+    def _call(self, rpc: Callable, request, timeout: float | None, metadata, retried: bool):
+        """``rpc(request)`` within ``timeout``; if ``retried``, again on UNAVAILABLE as :data:`RETRY_POLICY`
+        says, unless the failure is a TLS mismatch."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return rpc(request, timeout=max(deadline - time.monotonic(), 0.0), metadata=metadata)
+            except grpc.RpcError as e:
+                error = e
+            pause = RETRY_POLICY.backoff(attempt)
+            if (not retried or error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= RETRY_POLICY.max_attempts
+                    or tls_hint(error.details() or "") is not None or time.monotonic() + pause >= deadline):
+                raise from_rpc_error(error, self.address, self._security()) from None
+            time.sleep(pause)
 
     # --- one method per RPC ----------------------------------------------------------------------------------
 
@@ -386,7 +422,7 @@ class Client:
             []
         """
         responses = self._get()[1].OpenSession(request, metadata=self._metadata())
-        return Session(responses, self.address, self.timeout if timeout is None else timeout)
+        return Session(responses, self.address, self.timeout if timeout is None else timeout, self._security())
 
     def register_region(self, request: pb.RegisterRegionRequest, timeout: float | None = None, *,
                         session: str | None = None) -> pb.RegisterRegionResponse:
@@ -420,7 +456,7 @@ class Client:
         try:
             yield from responses
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+            raise from_rpc_error(e, self.address, self._security()) from None
         finally:
             responses.cancel()  # a no-op once the call ended; stops the stream if reading failed
 
@@ -436,11 +472,8 @@ class Client:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         check = health_pb2_grpc.HealthStub(self._get_channel()).Check
-        try:
-            reply = check(health_pb2.HealthCheckRequest(service=service),
-                          timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+        reply = self._call(check, health_pb2.HealthCheckRequest(service=service), timeout, self._metadata(),
+                           retried=True)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def device_names(self) -> list[str]:

@@ -1,6 +1,12 @@
-"""The SDK's one exception family; a ``grpc.RpcError`` is translated once, here."""
+"""The SDK's one exception family; a ``grpc.RpcError`` is translated once, here.
+
+A connection that fails the way a TLS mismatch makes it fail gets a hint
+naming the settings to check on both sides (:func:`tls_hint`).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import grpc
 
@@ -80,8 +86,97 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError, address: str) -> XReduceError:
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """What this side of a connection offered: TLS, and a client certificate with it.
+
+    Example:
+        >>> Security(tls=True).client_certificate
+        False
+    """
+
+    tls: bool
+    client_certificate: bool = False
+
+
+_SETTINGS = ("check XREDUCE_TLS_CA, XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY (root_certificates=, "
+             "certificate_chain=, private_key=) against the daemon's --tls-cert, --tls-key and --tls-client-ca")
+_CLIENT_CERT = "XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY (certificate_chain=, private_key=)"
+
+
+def _closed_hint(security: Security | None) -> str:
+    """The daemon closed the connection before any call: what a TLS daemon does to a plaintext client
+    and, after the handshake, a mutual-TLS daemon to a client without a certificate it accepts."""
+    if security is None:
+        return ("the daemon closed the connection before any call, as a TLS daemon does to a plaintext client "
+                f"and a mutual-TLS daemon to a client without a certificate it accepts; {_SETTINGS}")
+    if not security.tls:
+        return ("this client speaks plaintext to a daemon that serves TLS (--tls-cert), which closed the "
+                "connection; set XREDUCE_TLS_CA (root_certificates=) to the CA file that signed the daemon's "
+                f"certificate, and with mutual TLS (--tls-client-ca) also {_CLIENT_CERT}")
+    if not security.client_certificate:
+        return ("the daemon closed the connection after the TLS handshake, as a daemon with mutual TLS "
+                "(--tls-client-ca) does to a client without a certificate; set XREDUCE_TLS_CLIENT_CERT and "
+                "XREDUCE_TLS_CLIENT_KEY (certificate_chain=, private_key=) to a certificate signed by that CA")
+    return ("the daemon closed the connection after the TLS handshake, as a daemon with mutual TLS does to a client "
+            "certificate its --tls-client-ca did not sign; check that XREDUCE_TLS_CLIENT_CERT (certificate_chain=) "
+            "is signed by that CA")
+
+
+_HANDSHAKE_HINTS = (
+    ("WRONG_VERSION_NUMBER", "this client speaks TLS but the daemon answered in plaintext, as it does without "
+     "--tls-cert; unset XREDUCE_TLS_CA, XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY (and root_certificates=, "
+     "certificate_chain=, private_key=), or start the daemon with --tls-cert and --tls-key"),
+    ("CERTIFICATE_VERIFY_FAILED", "this client does not trust the daemon's certificate; set XREDUCE_TLS_CA "
+     "(root_certificates=) to the CA file that signed the daemon's --tls-cert (without it the system's CAs are "
+     "used)"),
+    ("Hostname Verification", "the daemon's certificate does not carry the name this client checks (the "
+     "address's host, or XREDUCE_TLS_SERVER_NAME); connect by a name the certificate carries, or set "
+     "XREDUCE_TLS_SERVER_NAME to one"),
+)
+"""Markers of gRPC's TLS handshake failures, and what each means here."""
+
+_HANDSHAKE_MARKERS = ("Tls handshake failed", "Handshake read failed", "Handshake write failed", "SSL_ERROR",
+                      "TSI_", "Hostname Verification")
+
+
+def tls_hint(details: str, security: Security | None = None) -> str | None:
+    """What a failed connection's gRPC details say about TLS, in words, or None when they say nothing of it.
+
+    A TLS daemon closes a plaintext client's connection at once (gRPC says
+    ``Socket closed`` while connecting), a mutual-TLS daemon closes it after
+    the handshake when the client has no certificate it accepts; a TLS client
+    meeting a plaintext daemon, or a certificate it does not trust, fails the
+    handshake itself. None of these heals by retrying.
+
+    Args:
+        details: the failed call's ``details()``.
+        security: what this side offered, to say which settings to change;
+            None when unknown (every setting is named).
+
+    Example:
+        >>> tls_hint("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed",
+        ...          Security(tls=True))[:62]
+        'the daemon closed the connection after the TLS handshake, as a'
+        >>> tls_hint("failed to connect to all addresses; last error: ...: Connection refused") is None
+        True
+    """
+    if "failed to connect" in details and details.endswith("Socket closed"):
+        return _closed_hint(security)
+    if not any(marker in details for marker in _HANDSHAKE_MARKERS):
+        return None
+    for marker, hint in _HANDSHAKE_HINTS:
+        if marker in details:
+            return hint
+    return f"the TLS handshake failed; {_SETTINGS}"
+
+
+def from_rpc_error(error: grpc.RpcError, address: str, security: Security | None = None) -> XReduceError:
     """The SDK exception for a failed call, keeping the status code and message.
+
+    A daemon that cannot be reached is named by its address; when the
+    failure looks like a TLS mismatch the message says so and which settings
+    to check (``security``: what this side offered; see :func:`tls_hint`).
 
     Example:
         >>> class Fake(grpc.RpcError):
@@ -95,7 +190,9 @@ def from_rpc_error(error: grpc.RpcError, address: str) -> XReduceError:
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, InternalError)
     if code == grpc.StatusCode.UNAVAILABLE:
-        details = f"xreduce daemon at {address} is unavailable: {details}"
+        hint = tls_hint(details, security)
+        details = (f"xreduce daemon at {address} is unavailable: {details}" if hint is None else
+                   f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: {hint} (gRPC: {details})")
     err = cls(details, code)
     err.answered = True
     return err

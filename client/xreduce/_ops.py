@@ -13,13 +13,14 @@ The reduction itself runs in the daemon, whose errors arrive as
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from xreduce import _transports
-from xreduce._arrays import device_of, is_tensor, to_host
+from xreduce._arrays import check_dtype, device_of, is_tensor, to_host
 from xreduce._call import Algorithm, BroadcastCall, Pair, ReduceCall
 from xreduce._client import Client
 from xreduce._options import ConnectionOptions, merge
@@ -84,7 +85,8 @@ class CommunicationOptions:
 
     Raises:
         ValueError: as TF: negative ``bytes_per_pack``, an unknown implementation;
-            also a non-positive ``timeout_seconds``.
+            also a ``bytes_per_pack`` that is not an integer, a
+            ``timeout_seconds`` that is not a number > 0.
 
     Example:
         >>> CommunicationOptions(timeout_seconds=5).timeout_seconds
@@ -93,6 +95,9 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
                  implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO):
+        if not _is_integer(bytes_per_pack):
+            raise ValueError(f"Argument `bytes_per_pack` must be an integer >= 0; got {bytes_per_pack!r} of type "
+                             f"{type(bytes_per_pack).__name__}")
         if bytes_per_pack < 0:
             raise ValueError(f"Argument `bytes_per_pack` must be >=0, Received {bytes_per_pack}.")
         if isinstance(implementation, str):
@@ -107,15 +112,24 @@ class CommunicationOptions:
                 "Argument `implementation` must be instance of "
                 "`tf.distribute.experimental.CommunicationImplementation`."
             )
+        if timeout_seconds is not None and (isinstance(timeout_seconds, bool)
+                                            or not isinstance(timeout_seconds, numbers.Real)):
+            raise ValueError(f"Argument `timeout_seconds` must be a number > 0 or None; got {timeout_seconds!r} of "
+                             f"type {type(timeout_seconds).__name__}")
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(f"Argument `timeout_seconds` must be > 0 or None; got {timeout_seconds!r}")
-        self.bytes_per_pack = bytes_per_pack
+        self.bytes_per_pack = int(bytes_per_pack)
         self.timeout_seconds = timeout_seconds
         self.implementation = implementation
 
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation.name})")
+
+
+def _is_integer(value: Any) -> bool:
+    """Python's and numpy's integers; not bools (True would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def validate_destinations(destinations: Any) -> None:
@@ -146,9 +160,13 @@ def validate_destinations(destinations: Any) -> None:
         raise ValueError("destinations can not be empty")
 
 
-def _as_per_replica(value: Any) -> DistributedValues:
+def _as_per_replica(value: Any, argument: str) -> DistributedValues:
+    """``value`` as a distributed value, its dtypes checked; ``argument`` names it in the messages."""
     if isinstance(value, DistributedValues):
+        for i, component in enumerate(value.values):
+            check_dtype(component, f"{argument}.values[{i}]")
         return value
+    check_dtype(value, argument)
     return PerReplica((value,))
 
 
@@ -217,8 +235,10 @@ class CrossDeviceOps:
             when there is one destination device.
 
         Raises:
-            ValueError: TF's client-side checks; :class:`xreduce.XReduceError`
-                for what the daemon rejects.
+            ValueError: TF's client-side checks; a value of a dtype the daemon
+                does not reduce (see ``xreduce.SUPPORTED_DTYPES``), before
+                anything is sent; :class:`xreduce.XReduceError` for what the
+                daemon rejects.
 
         Example:
             >>> import numpy as np, xreduce
@@ -229,7 +249,7 @@ class CrossDeviceOps:
             (array([3.]), array([3.]))
         """
         op = ReduceOp.from_value(reduce_op)
-        value = _as_per_replica(per_replica_value)
+        value = _as_per_replica(per_replica_value, "per_replica_value")
         validate_destinations(destinations)
         return self._batch(op, [(value, destinations)], options, single=True)[0]
 
@@ -250,7 +270,8 @@ class CrossDeviceOps:
             array([2., 3.])
         """
         op = ReduceOp.from_value(reduce_op)
-        pairs = [(_as_per_replica(v), d) for v, d in _check_pairs(value_destination_pairs)]
+        pairs = [(_as_per_replica(v, f"value_destination_pairs[{i}][0]"), d)
+                 for i, (v, d) in enumerate(_check_pairs(value_destination_pairs))]
         for _, d in pairs:
             validate_destinations(d)
         return self._batch(op, pairs, options, single=False)
@@ -271,6 +292,8 @@ class CrossDeviceOps:
             '/job:localhost/replica:0/task:0/device:CPU:2'
         """
         validate_destinations(destinations)
+        if tensor is not None:
+            check_dtype(tensor, "tensor")
         group = self._group()
         names = self._local_names(group)
         dests = tuple(self._destination_names(destinations, names))
@@ -390,7 +413,8 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         options: the connection settings as one :class:`xreduce.ConnectionOptions`.
 
     Raises:
-        ValueError: ``num_packs`` < 0, with TF's message.
+        ValueError: ``num_packs`` < 0, with TF's message; ``num_packs`` not an
+            integer (TF accepts it and fails on use).
 
     Example:
         >>> HierarchicalCopyAllReduce(num_packs=-1)
@@ -406,10 +430,13 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None,
                  transport: str | None = None, *, options: ConnectionOptions | None = None):
+        if not _is_integer(num_packs):
+            raise ValueError(f"num_packs must be an integer >= 0 (0: no packing); got {num_packs!r} of type "
+                             f"{type(num_packs).__name__}")
         if num_packs < 0:
             raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
         super().__init__(address, token, transport, options=options)
-        self.num_packs = num_packs
+        self.num_packs = int(num_packs)
 
     def _algorithm(self) -> Algorithm:
         return Algorithm("hierarchical_copy", num_packs=self.num_packs)

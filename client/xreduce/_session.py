@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from xreduce._errors import from_rpc_error
+from xreduce._errors import Security, from_rpc_error
 from xreduce.v1 import xreduce_pb2 as pb
 
 
@@ -23,6 +23,7 @@ class Session:
         responses: the call's stream of ``OpenSessionResponse`` (gRPC's, with ``cancel()``).
         address: the daemon's address, for error messages.
         timeout: seconds to wait for the daemon's first message.
+        security: what the client offered (TLS, a certificate), for the hint of a TLS mismatch.
 
     Raises:
         xreduce.XReduceError: the daemon refused the session or did not answer in time.
@@ -36,14 +37,15 @@ class Session:
         (True, False)
     """
 
-    def __init__(self, responses: Iterator[pb.OpenSessionResponse], address: str, timeout: float):
+    def __init__(self, responses: Iterator[pb.OpenSessionResponse], address: str, timeout: float,
+                 security: Security | None = None):
         self._call = responses
         timer = threading.Timer(timeout, responses.cancel)  # no unbounded wait for the first message
         timer.start()
         try:
             first = next(responses)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, address) from None
+            raise from_rpc_error(e, address, security) from None
         finally:
             timer.cancel()
         self.id: str = first.session_id

@@ -12,12 +12,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 
+from xreduce._errors import NotFoundError
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
 from xreduce._runtime import ProcessGroup, process_group
 from xreduce._values import DistributedValues, PerReplica
-from xreduce.wire.devices import canonical
+from xreduce.wire.devices import DeviceName, canonical
 
 _state = threading.local()
 
@@ -99,7 +101,7 @@ class MirroredExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """This process's devices of the strategy, canonical names."""
+        """This process's devices of the strategy, canonical names (not checked against the daemon's)."""
         return self._strategy._devices()
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
@@ -115,6 +117,7 @@ class MirroredExtended:
             array(1., dtype=float32)
         """
         op = ReduceOp.from_value(reduce_op)
+        self._strategy._checked_devices()
         if not isinstance(value, DistributedValues):
             local = self.worker_devices
             if self._strategy._group() is None or len(local) != 1:
@@ -126,6 +129,7 @@ class MirroredExtended:
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
                         options: CommunicationOptions | None = None) -> list[Any]:
         """Reduces each (value, destinations) pair; see ``CrossDeviceOps.batch_reduce``."""
+        self._strategy._checked_devices()
         return self._strategy.cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options)
 
 
@@ -147,6 +151,9 @@ class MirroredStrategy:
 
     Raises:
         ValueError: ``devices`` is empty or names a device twice.
+        xreduce.NotFoundError: at the first ``run``, ``reduce`` or value made
+            (not at construction), ``devices`` names a device the daemon does
+            not have; the message lists the daemon's devices.
 
     Example:
         >>> import numpy as np, xreduce
@@ -169,6 +176,8 @@ class MirroredStrategy:
             self._device_names: tuple[str, ...] | None = names
         else:
             self._device_names = None
+        self._given_devices = None if devices is None else list(devices)
+        self._devices_checked = devices is None  # else on first use: constructing needs no daemon
         self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address, token=token)
         self.extended = MirroredExtended(self)
 
@@ -182,6 +191,22 @@ class MirroredStrategy:
             names = group.local_devices if group else self.cross_device_ops.client.device_names()
             self._device_names = tuple(names)
         return self._device_names
+
+    def _checked_devices(self) -> tuple[str, ...]:
+        """:meth:`_devices`, the given ones checked against the daemon's the first time they are used
+        (a single device is never sent to the daemon, which would otherwise catch a wrong one)."""
+        devices = self._devices()
+        if not self._devices_checked:
+            client = self.cross_device_ops.client
+            known = client.device_names()
+            for spec, name in zip(self._given_devices, devices):
+                if name not in known:
+                    listing = ", ".join(DeviceName.parse(d).short for d in known)
+                    raise NotFoundError(f"MirroredStrategy(devices={self._given_devices!r}): no device {spec!r} on the "
+                                        f"daemon at {client.address}; its devices are {listing}",
+                                        grpc.StatusCode.NOT_FOUND)
+            self._devices_checked = True
+        return devices
 
     def _first_replica_id(self) -> int:
         """The global id of this process's first replica."""
@@ -212,7 +237,7 @@ class MirroredStrategy:
         to that replica's component, and the results are regrouped into
         ``PerReplica`` values (nested lists, tuples and dicts are followed).
         """
-        devices = self._devices()
+        devices = self._checked_devices()
         first, total = self._first_replica_id(), self.num_replicas_in_sync
         outputs = []
         for i in range(len(devices)):
@@ -233,6 +258,7 @@ class MirroredStrategy:
         replicas, as TF does.
         """
         op = ReduceOp.from_value(reduce_op)
+        self._checked_devices()
         if not isinstance(value, DistributedValues):
             if self._group() is None or len(self._devices()) != 1:
                 return reduce_non_distributed_value(op, value, self.num_replicas_in_sync)
@@ -255,7 +281,7 @@ class MirroredStrategy:
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> PerReplica:
         """Builds a ``PerReplica`` from ``value_fn(ValueContext(i, n))`` for each of this
         process's replicas (``i`` is the global replica id)."""
-        devices = self._devices()
+        devices = self._checked_devices()
         first, total = self._first_replica_id(), self.num_replicas_in_sync
         values = [value_fn(ValueContext(first + i, total)) for i in range(len(devices))]
         return PerReplica(values, devices=devices)

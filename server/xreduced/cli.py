@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+from xreduce.wire.codec import SUPPORTED_DTYPES
 
 from xreduced import config as config_lib
 from xreduced import memory, planner
@@ -120,6 +121,27 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def wire_dtype(text: str) -> np.dtype:
+    """Parses a dtype the daemon reduces: one of ``SUPPORTED_DTYPES``, or numpy's name for one (``f4``).
+
+    Raises:
+        argparse.ArgumentTypeError: any other dtype (strings, objects, bool...) or
+            no dtype at all; the message repeats it and lists the accepted ones.
+
+    Example:
+        >>> wire_dtype("f4").name, wire_dtype("bfloat16").itemsize
+        ('float32', 2)
+    """
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in SUPPORTED_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype the daemon reduces; use one of "
+                                         f"{', '.join(SUPPORTED_DTYPES)}")
+    return dtype
+
+
 def plan_parser() -> argparse.ArgumentParser:
     """The ``xreduced plan`` argument parser.
 
@@ -134,7 +156,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes", type=parse_bytes, default=parse_bytes("1MiB"),
                    help="bytes of each tensor per device (default 1MiB)")
     p.add_argument("--tensors", type=int, default=1, help="tensors in the batch (default 1)")
-    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--dtype", type=wire_dtype, default="float32",
+                   help=f"element type, one of {', '.join(SUPPORTED_DTYPES)} (default float32)")
     p.add_argument("--algorithm", default="hierarchical_copy", choices=["hierarchical_copy", "reduction_to_one_device"])
     return p
 
@@ -162,10 +185,7 @@ def plan(argv: Sequence[str]) -> int:
             p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if args.num_packs < 0:
         p.error(f"--num-packs must be >= 0; got {args.num_packs}")
-    try:
-        dtype = np.dtype(args.dtype)
-    except TypeError:
-        p.error(f"--dtype: unknown dtype {args.dtype!r}")
+    dtype = args.dtype
     if args.bytes % dtype.itemsize:
         print(f"xreduced plan: --bytes {args.bytes} is not a multiple of {dtype.name}'s "
               f"{dtype.itemsize} bytes", file=sys.stderr)

@@ -191,7 +191,8 @@ class Rendezvous:
             if process_id in c.arrived:
                 self._fail(key, c, InvalidArgument(
                     f"process {process_id} contributed twice to {label}; each process_id must be used by "
-                    "one process"), remember_failure)
+                    "one process: if two jobs share this daemon, give each job its own "
+                    "XREDUCE_GROUP"), remember_failure)
                 c.raise_error()
             c.arrived[process_id] = contribution
             last = len(c.arrived) == num_processes

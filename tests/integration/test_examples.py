@@ -46,6 +46,7 @@ def test_xreduce_plan_prints_the_steps(command):
 @pytest.mark.parametrize(("args", "message"), [
     (["--bytes", "3"], "--bytes 3 is not a multiple of float32's 4 bytes"),
     (["--devices", "0"], "--devices must be >= 1; got 0"),
+    (["--dtype", "str"], "argument --dtype: 'str' is not a dtype the daemon reduces; use one of float16, bfloat16"),
 ])
 def test_xreduce_plan_rejects_bad_arguments(command, args, message):
     result = subprocess.run(

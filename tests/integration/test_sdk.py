@@ -101,6 +101,26 @@ def test_mirrored_strategy_run_reduce_and_values_from_function(daemon):
         strategy.reduce("sum", np.float32(4.0))
 
 
+@pytest.mark.parametrize("devices", [["CPU:99"], ["CPU:0", "gpu:3"]], ids=["one", "two"])
+def test_mirrored_strategy_checks_its_devices_on_first_use(daemon, devices):
+    strategy = MirroredStrategy(devices=devices, address=daemon.address)  # constructing asks nothing
+    assert strategy.num_replicas_in_sync == len(devices)
+    listing = ", ".join(f"CPU:{i}" for i in range(8))
+    message = (f"MirroredStrategy(devices={devices!r}): no device {devices[-1]!r} on the daemon at "
+               f"{daemon.address}; its devices are {listing}")
+    value = PerReplica([np.ones(2)] * len(devices), devices=devices)
+    for use in (lambda: strategy.run(lambda: np.ones(2)),
+                lambda: strategy.reduce("sum", value, axis=None),
+                lambda: strategy.reduce("sum", np.ones(2)),
+                lambda: strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2)),
+                lambda: strategy.extended.reduce_to("sum", value, devices[0]),
+                lambda: strategy.extended.batch_reduce_to("sum", [(value, devices[0])])):
+        with pytest.raises(xreduce.NotFoundError) as e:
+            use()
+        assert str(e.value) == message
+        assert e.value.code.name == "NOT_FOUND"
+
+
 def test_serve_embedded_serves_and_stops():
     with xreduce.serve_embedded(virtual_devices=3) as address:
         strategy = MirroredStrategy()

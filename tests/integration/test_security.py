@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import grpc
 import numpy as np
@@ -202,6 +203,50 @@ def test_tls_server_name_override(tls_daemon, pki, monkeypatch):
     monkeypatch.setenv("XREDUCE_TLS_SERVER_NAME", "wrong.example")
     with pytest.raises(xreduce.UnavailableError, match="wrong.example|Hostname"):
         _broadcast(xreduce.Client(tls_daemon.address))
+
+
+FAST_SECONDS = 1.0
+"""A TLS mismatch is reported within this: it is not retried (it took 4.7 s of retries)."""
+
+
+def _fails_fast(call, *hints: str) -> str:
+    started = time.monotonic()
+    with pytest.raises(xreduce.UnavailableError) as e:
+        call()
+    took, message = time.monotonic() - started, str(e.value)
+    assert took < FAST_SECONDS, f"{took:.2f}s: {message}"
+    assert "is unavailable, probably a TLS mismatch: " in message
+    for hint in hints:
+        assert hint in message
+    return message
+
+
+def test_a_plaintext_client_of_a_tls_daemon_fails_fast_naming_the_settings(tls_daemon):
+    client = xreduce.Client(tls_daemon.address, timeout=30)
+    for call in (client.list_devices, client.health, lambda: _reduced(HierarchicalCopyAllReduce(
+            address=tls_daemon.address)), lambda: MirroredStrategy(address=tls_daemon.address).num_replicas_in_sync):
+        _fails_fast(call, tls_daemon.address, "speaks plaintext to a daemon that serves TLS (--tls-cert)",
+                    "set XREDUCE_TLS_CA", "XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY")
+
+
+def test_a_tls_client_without_a_certificate_of_an_mtls_daemon_fails_fast_naming_the_settings(mtls_daemon, pki,
+                                                                                               monkeypatch):
+    monkeypatch.setenv("XREDUCE_TLS_CA", str(pki / "ca.pem"))
+    client = xreduce.Client(mtls_daemon.address, timeout=30)
+    _fails_fast(client.list_devices, "mutual TLS (--tls-client-ca)",
+                "set XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY")
+    stranger = xreduce.Client(mtls_daemon.address, timeout=30, root_certificates=pki / "ca.pem",
+                              certificate_chain=pki / "stranger.pem", private_key=pki / "stranger.key")
+    _fails_fast(stranger.list_devices, "--tls-client-ca did not sign")
+
+
+def test_a_tls_client_of_a_plaintext_daemon_or_another_ca_fails_fast_naming_the_settings(tls_daemon, pki,
+                                                                                        start_daemon):
+    plain = start_daemon(*BASE)
+    _fails_fast(xreduce.Client(plain.address, timeout=30, root_certificates=pki / "ca.pem").list_devices,
+                "the daemon answered in plaintext", "unset XREDUCE_TLS_CA")
+    _fails_fast(xreduce.Client(tls_daemon.address, timeout=30, root_certificates=pki / "other-ca.pem").get_status,
+                "does not trust the daemon's certificate", "set XREDUCE_TLS_CA")
 
 
 @needs_grpcurl

@@ -1,0 +1,181 @@
+"""What the SDK says and how long it takes when it cannot talk to a daemon, without a daemon.
+
+A TLS daemon closes a plaintext client's connection at once, and so does a
+mutual-TLS daemon a client without a certificate: here a socket that accepts
+and closes plays that daemon (gRPC reports the same ``Socket closed``), and a
+bare gRPC server that answers UNAVAILABLE plays a daemon being restarted.
+The real TLS daemons are in tests/integration/test_security.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import xreduce
+from xreduce._errors import Security, from_rpc_error
+from xreduce.v1 import xreduce_pb2 as pb
+
+FAST_SECONDS = 1.0
+"""A TLS mismatch is reported within this (it took 4.7 s of retries)."""
+
+
+@contextlib.contextmanager
+def _closing_listener() -> Iterator[str]:
+    """An address whose every connection is closed as soon as it is accepted."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = server.accept()
+                conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+        thread.join(5)
+
+
+def test_a_plaintext_call_to_a_tls_daemon_fails_fast_and_says_what_to_set():
+    with _closing_listener() as address, xreduce.Client(address, timeout=30) as client:
+        for call in (client.list_devices, client.get_status, client.health,
+                     lambda: client.broadcast(pb.BroadcastRequest(destinations=["CPU:0"]))):
+            started = time.monotonic()
+            with pytest.raises(xreduce.UnavailableError) as e:
+                call()
+            took = time.monotonic() - started
+            message = str(e.value)
+            assert took < FAST_SECONDS, f"{took:.2f}s: {message}"
+            assert message.startswith(f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: ")
+            assert "--tls-cert" in message and "set XREDUCE_TLS_CA" in message
+            assert "XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY" in message
+            assert message.endswith("Socket closed)")  # what gRPC said stays in the message
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+class _Flaky:
+    """A bare gRPC server: ListDevices answers UNAVAILABLE ``failures`` times, then a device; Broadcast always
+    answers UNAVAILABLE. Counts the calls each got."""
+
+    def __init__(self, failures: int):
+        self.failures = failures
+        self.calls = {"ListDevices": 0, "Broadcast": 0}
+        handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(self, name)) for name in self.calls}
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("xreduce.v1.CrossDeviceOps",
+                                                                                   handlers)])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    def ListDevices(self, request: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802 (the RPC's name)
+        self.calls["ListDevices"] += 1
+        if self.calls["ListDevices"] <= self.failures:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        return pb.ListDevicesResponse(devices=[pb.Device(name="CPU:0")]).SerializeToString()
+
+    def Broadcast(self, request: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        self.calls["Broadcast"] += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+
+
+@pytest.fixture
+def flaky():
+    servers: list[_Flaky] = []
+
+    def make(failures: int) -> _Flaky:
+        servers.append(_Flaky(failures))
+        servers[-1].server.start()
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.server.stop(None)
+
+
+def test_idempotent_calls_are_still_retried_on_unavailable(flaky):
+    server = flaky(failures=2)
+    with xreduce.Client(server.address) as client:
+        assert [d.name for d in client.list_devices().devices] == ["CPU:0"]
+    assert server.calls["ListDevices"] == 3
+
+
+def test_idempotent_calls_give_up_after_five_attempts_and_collectives_never_retry(flaky):
+    server = flaky(failures=10)
+    with xreduce.Client(server.address) as client:
+        with pytest.raises(xreduce.UnavailableError, match="the daemon is shutting down$"):
+            client.list_devices()
+        assert server.calls["ListDevices"] == 5
+        with pytest.raises(xreduce.UnavailableError, match="the daemon is shutting down$"):
+            client.broadcast(pb.BroadcastRequest(destinations=["CPU:0"]))
+        assert server.calls["Broadcast"] == 1
+
+
+def test_the_retries_keep_within_the_calls_timeout(flaky):
+    server = flaky(failures=10)
+    with xreduce.Client(server.address) as client:
+        started = time.monotonic()
+        with pytest.raises(xreduce.XReduceError):
+            client.list_devices(timeout=0.3)
+        assert time.monotonic() - started < 0.3 + FAST_SECONDS
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, details: str):
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+_CONNECT = "failed to connect to all addresses; last error: "
+PLAIN, TLS, MTLS = Security(tls=False), Security(tls=True), Security(tls=True, client_certificate=True)
+
+
+@pytest.mark.parametrize(("details", "security", "says"), [
+    ("UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", PLAIN, "speaks plaintext to a daemon that serves TLS"),
+    ("UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", TLS, "set XREDUCE_TLS_CLIENT_CERT and XREDUCE_TLS_CLIENT_KEY"),
+    ("UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", MTLS, "--tls-client-ca did not sign"),
+    ("UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", None, "check XREDUCE_TLS_CA, XREDUCE_TLS_CLIENT_CERT"),
+    ("UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL "
+     "routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context: OK", TLS,
+     "the daemon answered in plaintext"),
+    ("UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
+     "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate: OK", TLS,
+     "set XREDUCE_TLS_CA (root_certificates=) to the CA file that signed the daemon's --tls-cert"),
+    ("UNKNOWN: ipv4:127.0.0.1:1: Custom verification check failed with error: UNAUTHENTICATED: Hostname "
+     "Verification Check failed.", TLS, "XREDUCE_TLS_SERVER_NAME"),
+    ("UNAVAILABLE: ipv4:127.0.0.1:1: Handshake read failed (recvmsg:Connection reset by peer (104))", TLS,
+     "the TLS handshake failed"),
+], ids=["plaintext", "no-client-cert", "client-cert-refused", "unknown-side", "tls-to-plaintext", "unknown-ca",
+        "hostname", "handshake"])
+def test_each_tls_failure_says_what_to_check(details, security, says):
+    message = str(from_rpc_error(_Failed(_CONNECT + details), "127.0.0.1:1", security))
+    assert message.startswith("xreduce daemon at 127.0.0.1:1 is unavailable, probably a TLS mismatch: ")
+    assert says in message
+    assert message.endswith(f"(gRPC: {_CONNECT + details})")
+
+
+@pytest.mark.parametrize("details", [
+    _CONNECT + "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused",
+    "Socket closed",  # a call in flight when the daemon died: not a connection refused at its start
+    "the daemon is shutting down",
+])
+def test_other_unavailability_gets_no_tls_hint(details):
+    message = str(from_rpc_error(_Failed(details), "127.0.0.1:1", PLAIN))
+    assert message == f"xreduce daemon at 127.0.0.1:1 is unavailable: {details}"
