@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from xreduce.wire import codec
+
 SHM_DIR = "/dev/shm"
 MIN_SEGMENT_BYTES = 1 << 20
 FREE_SEGMENTS_KEPT = 4
@@ -168,13 +170,21 @@ class SharedArrays:
         self._users: dict[str, weakref.WeakSet] = {}  # segment name -> what registered it
 
     def allocate(self, shape: int | Sequence[int], dtype) -> np.ndarray:
-        """A zero-filled array in a new segment, freed (and released everywhere) with its last view."""
+        """A zero-filled array in a new segment, freed (and released everywhere) with its last view.
+
+        Raises:
+            ValueError: a dimension that is not a whole number >= 0, or a dtype the daemon does not
+                reduce; nothing is made.
+        """
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"shape: every dimension must be a whole number >= 0; got {shape!r}")
+        codec.dtype_enum(dtype, "dtype")
         self._releases.drain()
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        dims, dtype = tuple(int(d) for d in dims), np.dtype(dtype)
+        nbytes = math.prod(dims) * dtype.itemsize
         seg = Segment(max(nbytes, 1), prefix="xra")
-        array = seg.base[:nbytes].view(dtype).reshape(shape)
+        array = seg.base[:nbytes].view(dtype).reshape(dims)
         with self._lock:
             bisect.insort(self._starts, seg.address)
             self._entries[seg.address] = (seg.name, seg.size, weakref.ref(seg.base))
