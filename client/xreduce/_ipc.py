@@ -117,7 +117,7 @@ class DeviceStaging:
         self._pinned: list[Region] = []
         self._regions.forget_dead()
 
-    def stage(self, arrays: Sequence[Any]) -> tuple[list[pb.Tensor], Callable[[], None]]:
+    def stage(self, arrays: Sequence[Any]) -> tuple[list[pb.Tensor], Callable[..., None]]:
         """Region tensors for ``arrays`` (CuPy arrays, in place: nothing is copied).
 
         Returns:
@@ -205,7 +205,8 @@ class DeviceStaging:
             for region in regions:
                 region.event.record(stream)
 
-    def _free(self) -> None:
+    def _free(self, failed: bool = False) -> None:
+        """Lets the call's regions go, answered or not (``failed``): they are the caller's own allocations."""
         pinned, self._pinned = self._pinned, []
         self._regions.unpin(pinned)
 

@@ -5,11 +5,15 @@ with each daemon, the shared-memory sessions with each daemon, the
 :func:`xreduce.shared_array` segments, the queue of segment releases and the
 CUDA IPC regions. The SDK uses :func:`default`; tests make fresh instances.
 
-Teardown order, at exit (:meth:`Runtime.close_sessions`): run the queued
-releases first (they unregister freed segments through the sessions), then
-close the sessions (the daemon releases their regions) and unlink their
-segments. In a forked child (:meth:`Runtime.after_fork_in_child`) the sessions
-and threads of the parent are gone; its segments stay the parent's to free.
+Teardown order, at exit (:meth:`Runtime.shutdown`): pause the background
+releases (one in progress finishes first), so that no ``UnregisterRegion``
+reaches the daemon after its session closed; close the sessions (the daemon
+releases their regions) and unlink their free segments; run the queued
+releases (unlinking only, now); then unlink every segment still in use (its
+mappings stay valid until the process ends) and end the reaper, which has
+nothing left to clean. In a forked child (:meth:`Runtime.after_fork_in_child`)
+the sessions and threads of the parent are gone; its segments stay the
+parent's to free.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 from xreduce._cuda_regions import CudaRegions
-from xreduce._segments import Releases, SharedArrays
+from xreduce._segments import Releases, SharedArrays, reaper
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire.contract import DEFAULT_ADDRESS
 
@@ -147,15 +151,17 @@ class Runtime:
                 found = self._sessions[key] = make()
             return found
 
-    def close_sessions(self) -> None:
-        """Ends every session of this process and unlinks its segments (also run at exit)."""
-        self.releases.drain()
-        with self._lock:
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
-        for session in sessions:
-            with contextlib.suppress(Exception):
-                session.close()
+    def shutdown(self) -> None:
+        """Ends every session of this process and unlinks every segment it made (run at exit)."""
+        with self.releases.paused():
+            with self._lock:
+                sessions = list(self._sessions.values())
+                self._sessions.clear()
+            for session in sessions:
+                with contextlib.suppress(Exception):
+                    session.close()
+            self.releases.run_queued()
+        reaper().close()
 
     def after_fork_in_child(self) -> None:
         """A forked child has none of its parent's sessions or threads; locks start free.
@@ -166,6 +172,7 @@ class Runtime:
         self._sessions.clear()
         self.releases.after_fork_in_child()
         self.shared_arrays.after_fork_in_child()
+        reaper().after_fork_in_child()
 
 
 _default = Runtime()
@@ -210,5 +217,5 @@ def set_process_group(address: str, group: ProcessGroup | None) -> None:
     _default.set_process_group(address, group)
 
 
-atexit.register(lambda: _default.close_sessions())
+atexit.register(lambda: _default.shutdown())
 os.register_at_fork(after_in_child=lambda: _default.after_fork_in_child())

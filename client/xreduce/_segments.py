@@ -2,13 +2,14 @@
 
 A segment is a file in ``/dev/shm`` mapped into this process. The daemon maps
 the same file when the SDK registers it as a region, so the bytes never travel.
-The resource tracker of ``multiprocessing`` unlinks the segments of a process
-that dies without cleaning up.
+This process's :class:`~xreduce._reaper.Reaper` unlinks the segments of a
+process that ends without cleaning up.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import math
 import mmap
@@ -17,16 +18,34 @@ import queue
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from multiprocessing import resource_tracker
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
+
+from xreduce._reaper import Reaper
+from xreduce.wire import codec
 
 SHM_DIR = "/dev/shm"
 MIN_SEGMENT_BYTES = 1 << 20
 FREE_SEGMENTS_KEPT = 4
 """Free staging/output segments a client keeps mapped for the next calls."""
+
+_reaper = Reaper(SHM_DIR)
+
+
+def reaper() -> Reaper:
+    """The reaper of this process's segments: what it has not unlinked yet.
+
+    Example:
+        >>> seg = Segment(4096, "xrdoc")
+        >>> seg.name in reaper().names()
+        True
+        >>> seg.unlink()
+        >>> seg.name in reaper().names()
+        False
+    """
+    return _reaper
 
 
 def available() -> bool:
@@ -55,7 +74,12 @@ class Segment:
         self.pid = os.getpid()
         self.name = f"{prefix}-{self.pid}-{secrets.token_hex(8)}"
         self.size = size
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _reaper.add(self.name)  # first: a process killed from here on leaves nothing behind
+        try:
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except BaseException:
+            _reaper.remove(self.name)
+            raise
         try:
             os.ftruncate(fd, size)
             # Reserve the pages now: on a full /dev/shm this raises ENOSPC, where a write into an
@@ -64,12 +88,10 @@ class Segment:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(fd, size, flags=flags)
         except BaseException:
-            os.unlink(os.path.join(SHM_DIR, self.name))
+            unlink(self.name)
             raise
         finally:
             os.close(fd)
-        # Unlinked by the tracker if this process dies before unlink() runs.
-        resource_tracker.register("/" + self.name, "shared_memory")
         self.base = np.frombuffer(self.mm, np.uint8)
         self.address = self.base.__array_interface__["data"][0]
 
@@ -82,8 +104,7 @@ def unlink(name: str) -> None:
     """Removes a segment's name and stops tracking it."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister("/" + name, "shared_memory")
+    _reaper.remove(name)
 
 
 class Releases:
@@ -91,8 +112,9 @@ class Releases:
 
     Finalizers may run inside any allocation (the garbage collector), maybe
     while this thread holds a lock of the SDK, so they only queue their work
-    here (``SimpleQueue.put`` is safe there); it runs outside every lock: in a
-    background thread, and at the start of the next call (:meth:`drain`).
+    here (``deque.append`` and ``SimpleQueue.put`` take no lock); it runs
+    outside every lock: in a background thread, and at the start of the next
+    call (:meth:`drain`).
 
     Example:
         >>> done = []
@@ -104,16 +126,29 @@ class Releases:
     """
 
     def __init__(self):
-        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: collections.deque = collections.deque()
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # one token per queued work: the worker wakes up
         self._worker: tuple[int, threading.Thread] | None = None
+        self._running = threading.Lock()  # held while the background thread works, so that :meth:`paused` waits
 
     def later(self, fn: Callable, *args) -> None:
         """Queues ``fn(*args)``."""
-        self._pending.put((fn, args))
+        self._pending.append((fn, args))
+        self._wake.put(None)
 
     def _run_pending(self) -> None:
         while True:
-            fn, args = self._pending.get()
+            self._wake.get()
+            with self._running:
+                self.run_queued()
+
+    def run_queued(self) -> None:
+        """Runs the queued work in this thread, and starts nothing (at exit no thread may start)."""
+        while True:
+            try:
+                fn, args = self._pending.popleft()
+            except IndexError:
+                return
             with contextlib.suppress(Exception):
                 fn(*args)
 
@@ -124,18 +159,30 @@ class Releases:
             thread = threading.Thread(target=self._run_pending, name="xreduce-shm-release", daemon=True)
             thread.start()
             self._worker = (os.getpid(), thread)
-        while True:
-            try:
-                fn, args = self._pending.get_nowait()
-            except queue.Empty:
-                return
-            with contextlib.suppress(Exception):
-                fn(*args)
+        self.run_queued()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block, the background thread runs nothing (what it was running finishes first);
+        :meth:`drain` and :meth:`run_queued` still run the queued work, in the caller's thread.
+
+        Example:
+            >>> releases = Releases()
+            >>> releases.drain()  # the background thread runs
+            >>> with releases.paused():
+            ...     releases.later(print, "released")
+            ...     releases.run_queued()
+            released
+        """
+        with self._running:
+            yield
 
     def after_fork_in_child(self) -> None:
-        """A forked child has no worker thread, and a queue another thread may have held."""
-        self._pending = queue.SimpleQueue()
+        """A forked child has no worker thread, and a queue or lock another thread may have held."""
+        self._pending = collections.deque()
+        self._wake = queue.SimpleQueue()
         self._worker = None
+        self._running = threading.Lock()
 
 
 class SegmentUser(Protocol):
@@ -168,13 +215,21 @@ class SharedArrays:
         self._users: dict[str, weakref.WeakSet] = {}  # segment name -> what registered it
 
     def allocate(self, shape: int | Sequence[int], dtype) -> np.ndarray:
-        """A zero-filled array in a new segment, freed (and released everywhere) with its last view."""
+        """A zero-filled array in a new segment, freed (and released everywhere) with its last view.
+
+        Raises:
+            ValueError: a dimension that is not a whole number >= 0, or a dtype the daemon does not
+                reduce; nothing is made.
+        """
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"shape: every dimension must be a whole number >= 0; got {shape!r}")
+        codec.dtype_enum(dtype, "dtype")
         self._releases.drain()
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        dims, dtype = tuple(int(d) for d in dims), np.dtype(dtype)
+        nbytes = math.prod(dims) * dtype.itemsize
         seg = Segment(max(nbytes, 1), prefix="xra")
-        array = seg.base[:nbytes].view(dtype).reshape(shape)
+        array = seg.base[:nbytes].view(dtype).reshape(dims)
         with self._lock:
             bisect.insort(self._starts, seg.address)
             self._entries[seg.address] = (seg.name, seg.size, weakref.ref(seg.base))

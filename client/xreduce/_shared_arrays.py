@@ -20,6 +20,8 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
         dtype: any dtype the daemon reduces (see ``xreduce.SUPPORTED_DTYPES``).
 
     Raises:
+        ValueError: a negative or fractional dimension, or a dtype the daemon does not reduce
+            (``bool``, strings, objects); nothing is made.
         OSError: no shared memory on this host (``/dev/shm``), or not enough room in it (ENOSPC).
 
     Example:

@@ -14,11 +14,17 @@ object and the daemon reads it back. From then on a call names *regions*:
 Segments are registered once per session and unregistered when they are
 freed; when the session ends (the client closes, or its process dies) the
 daemon releases them all.
+
+A call that fails gives back all it took: its dtypes are checked before a
+byte is staged, and the segments staged for it are unlinked instead of
+reused, since the daemon may still be reading or writing them (a call that
+timed out); they are unregistered in the background.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import threading
 import weakref
@@ -37,6 +43,8 @@ from xreduce.wire.layout import OUTPUT_ALIGNMENT
 
 COPY_RESULTS_UP_TO = 64 << 10
 """Results up to this size are copied out of the output segment; larger ones are views of it."""
+UNREGISTER_TIMEOUT_SECONDS = 10.0
+"""A bound on ``UnregisterRegion``, which runs in the background and must not hold it up for long."""
 
 
 class SessionCalls(Protocol):
@@ -150,7 +158,7 @@ class SharedMemory:
             try:
                 self._register(seg.name, seg.size)
             except BaseException:
-                pool.release(seg)
+                self._discard(seg)
                 raise
         return seg
 
@@ -159,27 +167,41 @@ class SharedMemory:
             self._unregister(seg.name)
         seg.unlink()
 
+    def _discard(self, seg: Segment) -> None:
+        """Unlinks a segment of a failed call now, and unregisters it in the background (no RPC on the
+        way out of a call that failed: the daemon may be the reason)."""
+        seg.unlink()
+        self._releases.later(self.forget, seg.name)
+
     def _unregister(self, name: str) -> None:
         with self._registering:
             if name not in self._registered:
                 return
             self._registered.discard(name)
-        self.client.unregister_region(pb.UnregisterRegionRequest(name=name), session=self.session_id())
+        with self._lock:
+            session = self._session
+        if session is None or not session.alive.is_set():
+            return  # the session ended, and the daemon released its regions with it
+        self.client.unregister_region(pb.UnregisterRegionRequest(name=name), UNREGISTER_TIMEOUT_SECONDS,
+                                      session=session.id)
 
     def forget(self, name: str) -> None:
         """A shared_array segment was freed: release it in the daemon."""
         with contextlib.suppress(Exception):
             self._unregister(name)
 
-    def stage(self, arrays: Sequence[np.ndarray]) -> tuple[list[pb.Tensor], Callable[[], None]]:
+    def stage(self, arrays: Sequence[np.ndarray]) -> tuple[list[pb.Tensor], Callable[..., None]]:
         """Region tensors for ``arrays``: shared arrays as they are, others copied into staging.
 
         Returns:
-            (the tensors, a function that frees the staging space once the call returned).
+            (the tensors, ``free(failed=False)``: frees the staging space once the call returned;
+            ``failed=True`` when it returned no answer, so that the space is never reused).
 
         Raises:
+            xreduce.wire.codec.CodecError: a dtype the daemon does not reduce (nothing is staged).
             OSError: no room in ``/dev/shm`` for the staging segment.
         """
+        dtypes = [codec.dtype_enum(a.dtype) for a in arrays]
         self._releases.drain()
         placed: list[tuple[str, int, int] | None] = []
         need = 0
@@ -191,21 +213,35 @@ class SharedMemory:
             if where is None:
                 need += -need % OUTPUT_ALIGNMENT + a.nbytes
             placed.append(where)
-        seg = self._acquire(self._staging, max(need, 1)) if None in placed else None
-        tensors, at = [], 0
-        for a, where in zip(arrays, placed):
-            if where is None:
-                at += -at % OUTPUT_ALIGNMENT
-                seg.base[at:at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
-                where = (seg.name, at, seg.size)
-                at += a.nbytes
-            tensors.append(pb.Tensor(dtype=codec.dtype_enum(a.dtype), shape=a.shape, region=pb.RegionSlice(
-                name=where[0], offset=where[1], byte_size=a.nbytes)))
-        return tensors, (lambda: self._staging.release(seg)) if seg is not None else (lambda: None)
+        if None not in placed:
+            return [_region_tensor(a, dtype, where) for a, dtype, where in zip(arrays, dtypes, placed)], _nothing
+        seg = self._acquire(self._staging, max(need, 1))
+        try:
+            tensors, at = [], 0
+            for a, dtype, where in zip(arrays, dtypes, placed):
+                if where is None:
+                    at += -at % OUTPUT_ALIGNMENT
+                    seg.base[at:at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+                    where = (seg.name, at, seg.size)
+                    at += a.nbytes
+                tensors.append(_region_tensor(a, dtype, where))
+        except BaseException:
+            self._discard(seg)
+            raise
+
+        def free(failed: bool = False) -> None:
+            if failed:
+                self._discard(seg)
+            else:
+                self._staging.release(seg)
+
+        return tensors, free
 
     def output(self, nbytes: int) -> tuple[pb.RegionSlice, Callable[[pb.Tensor], np.ndarray]]:
         """An output slice of at least ``nbytes``; the segment is reused once
-        the call's result arrays (and the returned function) are gone.
+        the call's result arrays (and the returned function) are gone, and only
+        if the daemon's answer placed results in it: without one, the daemon
+        may still write there, and the segment is unlinked instead.
 
         Returns:
             (the slice to send, a function turning a reply tensor into an array:
@@ -217,9 +253,11 @@ class SharedMemory:
         self._releases.drain()
         seg = self._acquire(self._outputs, max(nbytes, 1))
         hold = np.frombuffer(seg.mm, np.uint8, seg.size)  # views of it keep the segment busy
-        weakref.finalize(hold, self._releases.later, self._outputs.release, seg)
+        answered = [False]  # set once the daemon's answer is read: it is done with the segment
+        weakref.finalize(hold, self._releases.later, self._give_back_output, seg, answered)
 
         def result(tensor: pb.Tensor) -> np.ndarray:
+            answered[0] = True
             if not tensor.HasField("region"):
                 return codec.decode(tensor)
             dtype, shape = codec.spec(tensor)
@@ -233,6 +271,12 @@ class SharedMemory:
 
         return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), result
 
+    def _give_back_output(self, seg: Segment, answered: list[bool]) -> None:
+        if answered[0]:
+            self._outputs.release(seg)
+        elif seg.pid == os.getpid():  # not a forked child's copy: the segment is its parent's
+            self._discard(seg)
+
     def close(self) -> None:
         """Ends the session (the daemon releases every region) and unlinks this client's segments."""
         with self._lock:
@@ -242,3 +286,12 @@ class SharedMemory:
         self._outputs.close()
         if session is not None:
             session.close()
+
+
+def _region_tensor(array: np.ndarray, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype, shape=array.shape, region=pb.RegionSlice(name=where[0], offset=where[1],
+                                                                            byte_size=array.nbytes))
+
+
+def _nothing(failed: bool = False) -> None:
+    """What frees a call's staging space when it staged none."""

@@ -229,7 +229,7 @@ class _RegionsPath(Transport):
                     (len(p.destinations), mean_dtype(first.dtype) if call.op == "MEAN" else first.dtype,
                      tuple(first.shape)) for p, first in zip(call.pairs, firsts)]).nbytes)
             except BaseException:
-                free()
+                free(failed=True)
                 raise
         except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
             if self._fallback is None:
@@ -240,8 +240,10 @@ class _RegionsPath(Transport):
             values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices])
                       for p in call.pairs]
             results = _send(self._client, call, values, self._shm.session_id(), output=output)
-        finally:
-            free()
+        except BaseException:
+            free(failed=True)  # no answer: the daemon may still use the staged inputs
+            raise
+        free()
         return [_regroup(r, restore, result) for r, restore in zip(results, restores)]
 
 
@@ -261,7 +263,7 @@ class SharedMemoryPath(_RegionsPath):
                 output, result = self._shm.output(
                     output_layout([(len(call.destinations), call.tensor.dtype, call.tensor.shape)]).nbytes)
             except BaseException:
-                free()
+                free(failed=True)
                 raise
         except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
             if self._fallback is None:
@@ -271,8 +273,10 @@ class SharedMemoryPath(_RegionsPath):
                                       collective=call.collective, tensor=staged, output=output)
         try:
             reply = self._client.broadcast(request, session=self._shm.session_id())
-        finally:
-            free()
+        except BaseException:
+            free(failed=True)  # no answer: the daemon may still use the staged input
+            raise
+        free()
         return _regroup(reply.result, call.restore, result)
 
 

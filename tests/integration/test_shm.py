@@ -327,7 +327,7 @@ sys.stdin.read()
         proc.kill()
         proc.wait(10)
     assert wait_until(lambda: not any(mapped(d, n) for n in names))
-    assert wait_until(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names)), "the tracker unlinks them"
+    assert wait_until(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names)), "its reaper unlinks them"
 
 
 # --- the SDK -------------------------------------------------------------------------------------------------------
