@@ -66,6 +66,14 @@ class Session:
         self.alive.clear()
 
     def close(self) -> None:
-        """Ends the stream: the daemon releases every region of the session."""
+        """Ends the stream: the daemon releases every region of the session.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     session = xreduce.Client().open_session(pb.OpenSessionRequest())
+            ...     session.close(); session.alive.is_set()
+            False
+        """
         self.alive.clear()
         self._call.cancel()

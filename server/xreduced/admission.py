@@ -53,7 +53,13 @@ Reduce of 8 x 4 MiB float32 (32 MiB in, 32 MiB out) +161 to +182 MiB, estimated 
 4 MiB to 8 devices (4 MiB in, 32 MiB out) +143 MiB, estimated 136 MiB."""
 
 class LimitExceeded(ServiceError):
-    """A call over one of the daemon's limits; ``limit`` names the setting."""
+    """A call over one of the daemon's limits; ``limit`` names the setting.
+
+    Example:
+        >>> e = LimitExceeded("request of 150 bytes is over --max-request-bytes 100", "max_request_bytes")
+        >>> e.code.name, e.limit
+        ('RESOURCE_EXHAUSTED', 'max_request_bytes')
+    """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -77,6 +83,12 @@ class Limits:
 
     @classmethod
     def from_config(cls, config: Config) -> Limits:
+        """The limits of a daemon configured by ``config``.
+
+        Example:
+            >>> Limits.from_config(Config(max_collectives=4))
+            Limits(max_request_bytes=1073741824, max_inflight_bytes=4294967296, max_collectives=4)
+        """
         return cls(config.max_request_bytes, config.max_inflight_bytes, config.max_collectives)
 
     def check_request(self, size: int, method: str) -> None:
@@ -116,6 +128,13 @@ class InflightBytes:
 
     @property
     def value(self) -> int:
+        """The bytes held now.
+
+        Example:
+            >>> b = InflightBytes()
+            >>> b.reserve(60); b.value
+            60
+        """
         return self._value
 
     def reserve(self, n: int, request_bytes: int | None = None) -> None:
@@ -144,12 +163,28 @@ class InflightBytes:
             self._value = total
 
     def release(self, n: int) -> None:
+        """Gives back ``n`` bytes that :meth:`reserve` added.
+
+        Example:
+            >>> b = InflightBytes(100)
+            >>> b.reserve(60); b.release(60); b.value
+            0
+        """
         with self._lock:
             self._value -= n
 
     @contextlib.contextmanager
     def held(self, n: int) -> Iterator[None]:
-        """Reserves ``n`` bytes for the block; releases them however it ends."""
+        """Reserves ``n`` bytes for the block; releases them however it ends.
+
+        Example:
+            >>> b = InflightBytes(100)
+            >>> with b.held(60):
+            ...     b.value
+            60
+            >>> b.value
+            0
+        """
         self.reserve(n)
         try:
             yield
@@ -179,7 +214,13 @@ class CollectiveSlots:
         self._participants: collections.Counter[Hashable] = collections.Counter()
 
     def open(self) -> int:
-        """Collectives with a participant in the daemon now."""
+        """Collectives with a participant in the daemon now.
+
+        Example:
+            >>> slots = CollectiveSlots()
+            >>> slots.enter("a", "collective 0"); slots.enter("a", "collective 0"); slots.open()
+            1
+        """
         with self._lock:
             return len(self._participants)
 
@@ -188,6 +229,15 @@ class CollectiveSlots:
 
         Raises:
             LimitExceeded: ``key`` is not open yet and ``limit`` collectives are.
+
+        Example:
+            >>> slots = CollectiveSlots(1)
+            >>> slots.enter("a", "collective 0")
+            >>> slots.enter("b", "collective 1")
+            Traceback (most recent call last):
+            ...
+            xreduced.admission.LimitExceeded: collective 1 would be the 2nd collective waiting at once,
+            over --max-collectives 1
         """
         with self._lock:
             n = len(self._participants)
@@ -197,7 +247,13 @@ class CollectiveSlots:
             self._participants[key] += 1
 
     def leave(self, key: Hashable) -> None:
-        """One participant of ``key`` fewer."""
+        """One participant of ``key`` fewer.
+
+        Example:
+            >>> slots = CollectiveSlots(1)
+            >>> slots.enter("a", "collective 0"); slots.leave("a"); slots.open()
+            0
+        """
         with self._lock:
             self._participants[key] -= 1
             if not self._participants[key]:
@@ -205,7 +261,16 @@ class CollectiveSlots:
 
     @contextlib.contextmanager
     def held(self, key: Hashable, label: str) -> Iterator[None]:
-        """One participant of collective ``key`` for the block; see :meth:`enter`."""
+        """One participant of collective ``key`` for the block; see :meth:`enter`.
+
+        Example:
+            >>> slots = CollectiveSlots(1)
+            >>> with slots.held("a", "collective 0"):
+            ...     slots.open()
+            1
+            >>> slots.open()
+            0
+        """
         self.enter(key, label)
         try:
             yield
@@ -229,11 +294,24 @@ class Admission:
 
     @classmethod
     def from_config(cls, config: Config) -> Admission:
-        """The admission of a daemon configured by ``config``."""
+        """The admission of a daemon configured by ``config``.
+
+        Example:
+            >>> Admission.from_config(Config(max_inflight_bytes=1 << 20)).inflight.limit
+            1048576
+        """
         return cls(Limits.from_config(config))
 
     def check_request(self, size: int, method: str) -> None:
-        """Refuses a request of ``size`` serialized bytes over ``--max-request-bytes`` (see :class:`Limits`)."""
+        """Refuses a request of ``size`` serialized bytes over ``--max-request-bytes`` (see :class:`Limits`).
+
+        Example:
+            >>> Admission(Limits(max_request_bytes=100)).check_request(101, "/xreduce.v1.CrossDeviceOps/Reduce")
+            Traceback (most recent call last):
+            ...
+            xreduced.admission.LimitExceeded: /xreduce.v1.CrossDeviceOps/Reduce: request of 101 bytes is over
+            --max-request-bytes 100
+        """
         self.limits.check_request(size, method)
 
     def admit(self, request, size: int) -> int:
@@ -257,7 +335,14 @@ class Admission:
         return n
 
     def release(self, n: int) -> None:
-        """Gives back ``n`` bytes :meth:`admit` reserved."""
+        """Gives back ``n`` bytes :meth:`admit` reserved.
+
+        Example:
+            >>> a = Admission()
+            >>> held = a.admit(pb.ListDevicesRequest(), 50)
+            >>> a.release(held); a.inflight.value
+            0
+        """
         self.inflight.release(n)
 
 

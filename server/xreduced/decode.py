@@ -56,7 +56,12 @@ DATA_FIELDS = ("raw_data", "float_values", "int_values", "uint_values")
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """A validated CollectiveSpec: the rendezvous key, how messages name it, and this process's place."""
+    """A validated CollectiveSpec: the rendezvous key, how messages name it, and this process's place.
+
+    Example:
+        >>> collective(pb.CollectiveSpec(group="g", name="step", num_processes=4, process_id=3)).key
+        ('g', 'name:step')
+    """
 
     key: tuple[str, str]
     label: str
@@ -66,7 +71,12 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """A reduction's options; ``num_packs`` is the engine's to check (it checks every caller's)."""
+    """A reduction's options; ``num_packs`` is the engine's to check (it checks every caller's).
+
+    Example:
+        >>> Options(2, planner.HIERARCHICAL_COPY, None, Deadline(None)).algorithm
+        'hierarchical_copy'
+    """
 
     num_packs: int
     algorithm: str
@@ -75,7 +85,12 @@ class Options:
 
 
 def group(request) -> Group | None:
-    """The request's collective, or None when one process does it alone."""
+    """The request's collective, or None when one process does it alone.
+
+    Example:
+        >>> group(pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=1))) is None
+        True
+    """
     if not request.HasField("collective"):
         return None
     found = collective(request.collective)
@@ -123,7 +138,15 @@ def op(value: int) -> str:
 
 
 def options(request, devices: DeviceTable, deadline: Deadline) -> Options:
-    """A Reduce's or BatchReduce's ``num_packs``, ``algorithm`` and ``reduce_to_device``, with its deadline."""
+    """A Reduce's or BatchReduce's ``num_packs``, ``algorithm`` and ``reduce_to_device``, with its deadline.
+
+    Example:
+        >>> from xreduced.backends import DeviceInfo
+        >>> table = DeviceTable([DeviceInfo("CPU", i, 0, "host") for i in range(2)])
+        >>> request = pb.ReduceRequest(algorithm=pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE, reduce_to_device="CPU:1")
+        >>> options(request, table, Deadline(None)).reduce_to
+        1
+    """
     if request.algorithm not in ALGORITHMS:
         raise InvalidArgument(
             f"algorithm: must be ALGORITHM_HIERARCHICAL_COPY or ALGORITHM_REDUCTION_TO_ONE_DEVICE; "
@@ -162,7 +185,13 @@ def deadline(request, call_seconds: float | None, collective_seconds: float | No
 
 
 def call_deadline(context) -> float | None:
-    """Seconds left before the call's gRPC deadline, or None without one (gRPC then says about 2**63 s)."""
+    """Seconds left before the call's gRPC deadline, or None without one (gRPC then says about 2**63 s).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> [call_deadline(SimpleNamespace(time_remaining=lambda: s)) for s in (2.5, 2.0**63)]
+        [2.5, None]
+    """
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining <= MAX_TIMEOUT_SECONDS else None
 
@@ -190,12 +219,27 @@ def timeout_seconds(timeout) -> float:
 
 
 def devices(names: Sequence[str], field: str, table: DeviceTable) -> tuple[int, ...]:
-    """Device names (``destinations``, say) as the daemon's device indices, each checked."""
+    """Device names (``destinations``, say) as the daemon's device indices, each checked.
+
+    Example:
+        >>> from xreduced.backends import DeviceInfo
+        >>> table = DeviceTable([DeviceInfo("CPU", i, 0, "host") for i in range(2)])
+        >>> devices(["CPU:1", "/cpu:0"], "destinations", table)
+        (1, 0)
+    """
     return tuple(table.resolve(n, f"{field}[{i}]") for i, n in enumerate(names))
 
 
 def value(message: pb.DistributedValue, field: str, table: DeviceTable, regions: CallRegions | None) -> Value:
-    """A DistributedValue: each component's device and its tensor (see :func:`tensor`)."""
+    """A DistributedValue: each component's device and its tensor (see :func:`tensor`).
+
+    Example:
+        >>> from xreduced.backends import DeviceInfo
+        >>> table = DeviceTable([DeviceInfo("CPU", i, 0, "host") for i in range(2)])
+        >>> component = pb.Component(device="CPU:1", tensor=codec.encode(np.arange(2.0)))
+        >>> value(pb.DistributedValue(components=[component]), "value", table, None)
+        Value(devices=(1,), arrays=(array([0., 1.]),), field='value')
+    """
     where, arrays = [], []
     for p, comp in enumerate(message.components):
         where.append(table.resolve(comp.device, f"{field}.components[{p}].device"))
@@ -271,7 +315,12 @@ def carried(message: pb.Tensor) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """Where one result component goes in an output region: the region's name, the offset in
-    it, and the writable view there."""
+    it, and the writable view there.
+
+    Example:
+        >>> Slot("out", 64, np.zeros(2, np.float32)).offset
+        64
+    """
 
     region: str
     offset: int
@@ -287,6 +336,13 @@ def layout(output: pb.RegionSlice, results: Sequence[tuple[Sequence[int], np.dty
 
     Returns:
         Per result, destination device -> its :class:`Slot`.
+
+    Example:
+        >>> layout(pb.RegionSlice(name="out", byte_size=64), [((0, 1), np.dtype(np.float32), (2,))], None)
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: output.byte_size: the results need 72 bytes (64-byte aligned, in order);
+        the slice has 64
     """
     offsets, total = output_layout([(len(dests), dtype, shape) for dests, dtype, shape in results])
     if total > output.byte_size:

@@ -6,54 +6,99 @@ import grpc
 
 
 class ServiceError(Exception):
-    """Base: an error with a gRPC status code and a message a person can act on."""
+    """Base: an error with a gRPC status code and a message a person can act on.
+
+    Example:
+        >>> ServiceError("the engine broke").code.name
+        'INTERNAL'
+    """
 
     code = grpc.StatusCode.INTERNAL
 
 
 class InvalidArgument(ServiceError):
-    """Bad input; the message names the field and the values received."""
+    """Bad input; the message names the field and the values received.
+
+    Example:
+        >>> InvalidArgument("shape: dimensions must be >= 0; got [-1]").code.name
+        'INVALID_ARGUMENT'
+    """
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class NotFound(ServiceError):
-    """An unknown device; the message lists the daemon's devices."""
+    """An unknown device; the message lists the daemon's devices.
+
+    Example:
+        >>> NotFound("destinations[0]: no device 'GPU:9' on this daemon").code.name
+        'NOT_FOUND'
+    """
 
     code = grpc.StatusCode.NOT_FOUND
 
 
 class PermissionDenied(ServiceError):
-    """Another session's region, or a session that is not open."""
+    """Another session's region, or a session that is not open.
+
+    Example:
+        >>> PermissionDenied("name: session abc... is not open").code.name
+        'PERMISSION_DENIED'
+    """
 
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class FailedPrecondition(ServiceError):
-    """A region named by a call that has no session."""
+    """A region named by a call that has no session.
+
+    Example:
+        >>> FailedPrecondition("output: regions can only be named inside a call").code.name
+        'FAILED_PRECONDITION'
+    """
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class DeadlineExceeded(ServiceError):
-    """The operation's timeout passed."""
+    """The operation's timeout passed.
+
+    Example:
+        >>> DeadlineExceeded("timed out after 5 s while reducing").code.name
+        'DEADLINE_EXCEEDED'
+    """
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class Aborted(ServiceError):
-    """A collective was abandoned: a participant left before it completed."""
+    """A collective was abandoned: a participant left before it completed.
+
+    Example:
+        >>> Aborted('collective 0 in group "g" was aborted: process 1 left').code.name
+        'ABORTED'
+    """
 
     code = grpc.StatusCode.ABORTED
 
 
 class Internal(ServiceError):
-    """A daemon bug; its log has the traceback."""
+    """A daemon bug; its log has the traceback.
+
+    Example:
+        >>> Internal("internal error in Reduce").code.name
+        'INTERNAL'
+    """
 
     code = grpc.StatusCode.INTERNAL
 
 
 class Unauthenticated(ServiceError):
-    """A caller without the credentials the daemon asks for."""
+    """A caller without the credentials the daemon asks for.
+
+    Example:
+        >>> Unauthenticated("/x.Y/Z needs a valid bearer token").code.name
+        'UNAUTHENTICATED'
+    """
 
     code = grpc.StatusCode.UNAUTHENTICATED

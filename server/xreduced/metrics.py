@@ -81,7 +81,14 @@ class Stats:
                                 "participants now.", registry=r).set_function(collectives_waiting)
 
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
-        """Counts one finished call."""
+        """Counts one finished call.
+
+        Example:
+            >>> s = Stats()
+            >>> s.record("/x.Y/Z", "NOT_FOUND", 10, 0, 0.001)
+            >>> s.registry.get_sample_value("xreduce_calls_total", {"method": "/x.Y/Z", "code": "NOT_FOUND"})
+            1.0
+        """
         with self._lock:
             m = self._methods[method]
             m["calls_by_code"][code] += 1
@@ -92,17 +99,38 @@ class Stats:
         self._bytes_out.labels(method).inc(bytes_out)
 
     def observe_reduction(self, method: str, seconds: float, replica_bytes: int) -> None:
-        """Counts one finished reduction of ``replica_bytes`` per replica."""
+        """Counts one finished reduction of ``replica_bytes`` per replica.
+
+        Example:
+            >>> s = Stats()
+            >>> s.observe_reduction("/x.Y/Reduce", 0.5, 1000)  # 1000 bytes in 0.5 s: 2000 B/s
+            >>> s.registry.get_sample_value("xreduce_algbw_bytes_per_second_sum", {"method": "/x.Y/Reduce"})
+            2000.0
+        """
         self._seconds.labels(method).observe(seconds)
         if seconds > 0 and replica_bytes > 0:
             self._algbw.labels(method).observe(replica_bytes / seconds)
 
     def rejected(self, limit: str) -> None:
-        """Counts one call refused by ``limit`` (e.g. ``max_inflight_bytes``)."""
+        """Counts one call refused by ``limit`` (e.g. ``max_inflight_bytes``).
+
+        Example:
+            >>> s = Stats()
+            >>> s.rejected("max_collectives")
+            >>> s.registry.get_sample_value("xreduce_limit_rejections_total", {"limit": "max_collectives"})
+            1.0
+        """
         self._rejections.labels(limit).inc()
 
     def snapshot(self) -> dict[str, dict]:
-        """A copy of the counters, per method."""
+        """A copy of the counters, per method.
+
+        Example:
+            >>> s = Stats()
+            >>> s.record("/x.Y/Z", "OK", 10, 20, 0.001)
+            >>> s.snapshot()
+            {'/x.Y/Z': {'calls_by_code': {'OK': 1}, 'bytes_in': 10, 'bytes_out': 20}}
+        """
         with self._lock:
             return {k: {"calls_by_code": dict(v["calls_by_code"]), "bytes_in": v["bytes_in"],
                         "bytes_out": v["bytes_out"]} for k, v in self._methods.items()}
@@ -138,7 +166,11 @@ class MetricsServer:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
 
     def stop(self) -> None:
-        """Stops serving and closes the socket."""
+        """Stops serving and closes the socket.
+
+        Example:
+            See the class example, which ends with it.
+        """
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)

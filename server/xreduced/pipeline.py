@@ -94,7 +94,12 @@ class Call:
 
     @property
     def name(self) -> str:
-        """The method's own name, e.g. ``Reduce``."""
+        """The method's own name, e.g. ``Reduce``.
+
+        Example:
+            >>> Call(8, "/xreduce.v1.CrossDeviceOps/BatchReduce").name
+            'BatchReduce'
+        """
         return self.method.rsplit("/", 1)[-1]
 
 
@@ -112,10 +117,23 @@ def current_call() -> Call | None:
 
 
 class Gate(Protocol):
-    """What the pipeline asks before anything else (see :class:`~xreduced.security.TokenCheck`)."""
+    """What the pipeline asks before anything else (see :class:`~xreduced.security.TokenCheck`).
+
+    Example:
+        >>> from xreduced.security import TokenCheck
+        >>> gate: Gate = TokenCheck(b"s3cret")
+        >>> CallPipeline(Stats(), Admission(), gate=gate).gate is gate
+        True
+    """
 
     def refusal(self, method: str, metadata) -> str | None:
-        """Why a call of ``method`` with ``metadata`` is refused (UNAUTHENTICATED), or None."""
+        """Why a call of ``method`` with ``metadata`` is refused (UNAUTHENTICATED), or None.
+
+        Example:
+            >>> from xreduced.security import TokenCheck
+            >>> TokenCheck(b"s3cret").refusal("/xreduce.v1.CrossDeviceOps/Reduce", [("authorization", "Bearer no")])
+            '/xreduce.v1.CrossDeviceOps/Reduce needs a valid bearer token (authorization: Bearer <token>)'
+        """
 
 
 @dataclasses.dataclass
@@ -157,6 +175,17 @@ class CallPipeline(grpc.ServerInterceptor):
         self.gate = gate
 
     def intercept_service(self, continuation, handler_call_details):
+        """The handler of a call, wrapped in the pipeline; None for a method nobody serves.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> p, echo = CallPipeline(Stats(), Admission()), grpc.unary_unary_rpc_method_handler(lambda r, c: r)
+            >>> h = p.intercept_service(lambda _: echo, SimpleNamespace(method="/x.Y/Z", invocation_metadata=()))
+            >>> h.unary_unary(h.request_deserializer(b"ping"), SimpleNamespace(peer=lambda: "unix:", code=lambda: None))
+            b'ping'
+            >>> p.stats.snapshot()
+            {'/x.Y/Z': {'calls_by_code': {'OK': 1}, 'bytes_in': 4, 'bytes_out': 4}}
+        """
         handler = continuation(handler_call_details)
         if handler is None:
             return None

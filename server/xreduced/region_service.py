@@ -26,16 +26,29 @@ class RegionService:
     """The session and region RPCs, on ``regions``.
 
     Example:
+        >>> from types import SimpleNamespace
         >>> rpcs = RegionService(RegionTable())
-        >>> rpcs.regions.counts()
-        (0, 0)
+        >>> rpcs.ListRegions(pb.ListRegionsRequest(), SimpleNamespace(invocation_metadata=lambda: ()))
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.FailedPrecondition: session: regions belong to a session; send the 'x-xreduce-session'
+        metadata that OpenSession returned; got none
     """
 
     def __init__(self, regions: RegionTable):
         self.regions = regions
 
     def OpenSession(self, request: pb.OpenSessionRequest, context) -> Iterator[pb.OpenSessionResponse]:
-        """Opens a session that lasts as long as the call: one reply, then the stream stays open."""
+        """Opens a session that lasts as long as the call: one reply, then the stream stays open.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> rpcs = RegionService(RegionTable())
+            >>> context = SimpleNamespace(add_callback=lambda callback: None, peer=lambda: "unix:")
+            >>> first = next(rpcs.OpenSession(pb.OpenSessionRequest(), context))
+            >>> first.shared_memory, first.shared_memory_error, rpcs.regions.counts()
+            (False, 'no probe was sent', (1, 0))
+        """
         session = self.regions.open_session()
         context.add_callback(lambda: self.regions.session_ended(session.id))
         reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce)) if request.probe_shm_key else (
@@ -51,7 +64,17 @@ class RegionService:
         log.info("event=session_close session=%s...", session.id[:8])
 
     def RegisterRegion(self, request: pb.RegisterRegionRequest, context) -> pb.RegisterRegionResponse:
-        """Maps a region of the caller's memory under a name of its session."""
+        """Maps a region of the caller's memory under a name of its session.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> remote = SimpleNamespace(peer=lambda: "ipv4:10.0.0.5:41234")
+            >>> RegionService(RegionTable()).RegisterRegion(pb.RegisterRegionRequest(name="in"), remote)
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.PermissionDenied: name: regions are for callers on the daemon's host (a unix socket or
+            loopback); this call came from ipv4:10.0.0.5:41234
+        """
         peer = context.peer()
         if not peer.startswith(_LOCAL_PEERS):
             raise PermissionDenied(f"name: regions are for callers on the daemon's host (a unix socket or loopback); "
@@ -62,12 +85,32 @@ class RegionService:
         return pb.RegisterRegionResponse()
 
     def UnregisterRegion(self, request: pb.UnregisterRegionRequest, context) -> pb.UnregisterRegionResponse:
-        """Releases one region of the session, or all of them (an empty name)."""
+        """Releases one region of the session, or all of them (an empty name).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> rpcs = RegionService(RegionTable())
+            >>> session = rpcs.regions.open_session()
+            >>> context = SimpleNamespace(invocation_metadata=lambda: [("x-xreduce-session", session.id)])
+            >>> rpcs.UnregisterRegion(pb.UnregisterRegionRequest(name="in"), context)
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.NotFound: name: no region 'in' in this session; it has none
+        """
         self.regions.unregister(session_of(context), request.name)
         return pb.UnregisterRegionResponse()
 
     def ListRegions(self, request: pb.ListRegionsRequest, context) -> pb.ListRegionsResponse:
-        """The session's regions, by name."""
+        """The session's regions, by name.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> rpcs = RegionService(RegionTable())
+            >>> session = rpcs.regions.open_session()
+            >>> context = SimpleNamespace(invocation_metadata=lambda: [("x-xreduce-session", session.id)])
+            >>> len(rpcs.ListRegions(pb.ListRegionsRequest(), context).regions)
+            0
+        """
         return pb.ListRegionsResponse(regions=[
             pb.Region(name=r.name, kind=r.kind, shm_key=r.key if r.kind == "shm" else "", offset=r.offset,
                       byte_size=r.byte_size, in_use=r.in_use)

@@ -36,6 +36,13 @@ def load_token(config: Config) -> bytes | None:
 
     Raises:
         RuntimeError: the file cannot be read or holds no token.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w") as f:
+        ...     print("  s3cret", file=f, flush=True)
+        ...     load_token(Config(auth_token_file=f.name))
+        b's3cret'
     """
     if config.auth_token_file is None:
         return None
@@ -70,6 +77,14 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
         RuntimeError: a file cannot be read, holds no PEM certificate, or the
             key is not the certificate's (unencrypted) PEM private key; the
             message names the flag and the path.
+
+    Example:
+        >>> server_credentials(Config()) is None  # no --tls-cert: plaintext
+        True
+        >>> server_credentials(Config(tls_cert="no-such-cert.pem", tls_key="no-such-key.pem"))
+        Traceback (most recent call last):
+        ...
+        RuntimeError: --tls-cert no-such-cert.pem: cannot read it (No such file or directory)
     """
     if config.tls_cert is None:
         return None
@@ -82,7 +97,15 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 @contextlib.contextmanager
 def private_files() -> Iterator[None]:
-    """Files (the unix socket) created inside are mode 0600 from the start."""
+    """Files (the unix socket) created inside are mode 0600 from the start.
+
+    Example:
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as d, private_files():
+        ...     open(os.path.join(d, "sock"), "w").close()
+        ...     oct(os.stat(os.path.join(d, "sock")).st_mode & 0o777)
+        '0o600'
+    """
     old = os.umask(0o177)
     try:
         yield
@@ -95,6 +118,17 @@ def protect_socket(path: str, config: Config) -> None:
 
     Raises:
         RuntimeError: the group does not exist or cannot be given the socket.
+
+    Example:
+        >>> import os, tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     protect_socket(f.name, Config())
+        ...     oct(os.stat(f.name).st_mode & 0o777)
+        '0o600'
+        >>> protect_socket("sock", Config(socket_group="no-such-group-xyz"))
+        Traceback (most recent call last):
+        ...
+        RuntimeError: --socket-group no-such-group-xyz: no such group
     """
     if config.socket_group is None:
         os.chmod(path, 0o600)
@@ -130,7 +164,12 @@ class TokenCheck:
         self._protect_health = protect_health
 
     def allowed(self, metadata) -> bool:
-        """Whether the call's metadata carries the token (constant-time comparison)."""
+        """Whether the call's metadata carries the token (constant-time comparison).
+
+        Example:
+            >>> TokenCheck(b"s3cret").allowed([("authorization", "bearer s3cret")])  # any case of the scheme
+            True
+        """
         given = next((v for k, v in metadata or () if k == "authorization"), "")
         given = given.encode() if isinstance(given, str) else given
         scheme, _, token = given.strip().partition(b" ")
@@ -138,7 +177,14 @@ class TokenCheck:
 
     def refusal(self, method: str, metadata) -> str | None:
         """Why a call of ``method`` is refused, or None: it carries the token, or it is a health or
-        reflection call and ``--auth-health`` is false."""
+        reflection call and ``--auth-health`` is false.
+
+        Example:
+            >>> TokenCheck(b"s3cret").refusal("/grpc.health.v1.Health/Check", ()) is None
+            True
+            >>> TokenCheck(b"s3cret", protect_health=True).refusal("/grpc.health.v1.Health/Check", ())
+            '/grpc.health.v1.Health/Check needs a valid bearer token (authorization: Bearer <token>)'
+        """
         if self.allowed(metadata) or (not self._protect_health and method.startswith(OPEN_SERVICES)):
             return None
         return f"{method} needs a valid bearer token (authorization: Bearer <token>)"
@@ -149,6 +195,15 @@ def token_check(config: Config) -> TokenCheck | None:
 
     Raises:
         RuntimeError: the file cannot be read or holds no token.
+
+    Example:
+        >>> token_check(Config()) is None  # no --auth-token-file: every caller is let in
+        True
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w") as f:
+        ...     print("s3cret", file=f, flush=True)
+        ...     token_check(Config(auth_token_file=f.name)).allowed([("authorization", "Bearer s3cret")])
+        True
     """
     token = load_token(config)
     return TokenCheck(token, config.auth_health) if token is not None else None

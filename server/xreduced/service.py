@@ -78,12 +78,29 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.region_service = RegionService(self.regions)
 
     def ListDevices(self, request, context):
+        """The daemon's devices, its backend and which devices reach which directly.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> reply = service.ListDevices(pb.ListDevicesRequest(), None)
+            >>> reply.backend, [list(row.can_access) for row in reply.peer_access]
+            ('numpy', [[False, True], [True, False]])
+        """
         out = pb.ListDevicesResponse(backend=self.backend_name, devices=self._device_messages())
         for row in self.engine.backend.peer_access():
             out.peer_access.add(can_access=row)
         return out
 
     def GetStatus(self, request, context):
+        """The daemon's version, devices, limits, counters per method and security settings.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> status = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy").GetStatus(pb.GetStatusRequest(), None)
+            >>> status.backend, len(status.devices), status.limits.max_collectives, status.token_auth
+            ('numpy', 2, 1024, False)
+        """
         c = self.config
         return pb.GetStatusResponse(
             version=VERSION,
@@ -118,12 +135,40 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return out
 
     def Reduce(self, request, context):
+        """Reduces one value across its devices onto ``destinations`` (default: the value's devices).
+
+        Example:
+            >>> import numpy as np
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> parts = [pb.Component(device=f"CPU:{i}", tensor=codec.encode(np.ones(2, np.float32))) for i in range(2)]
+            >>> request = pb.ReduceRequest(reduce_op=pb.REDUCE_OP_SUM, value=pb.DistributedValue(components=parts))
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> context = SimpleNamespace(time_remaining=lambda: None)  # a call without a gRPC deadline
+            >>> reply = service.Reduce(request, context)
+            >>> codec.decode(reply.result.components[1].tensor)
+            array([2., 2.], dtype=float32)
+        """
         encoding = decode.encoding([request.value])
         (result,), (slots,) = self._reduce("Reduce", request, context, [(request.value, request.destinations)],
                                            ["value"], ["destinations"])
         return pb.ReduceResponse(result=self._encode(result, encoding, slots), route=decode.ROUTES[result.route])
 
     def BatchReduce(self, request, context):
+        """Reduces each pair's value onto its destinations, in one call.
+
+        Example:
+            >>> import numpy as np
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> parts = [pb.Component(device=f"CPU:{i}", tensor=codec.encode(np.arange(2.0) * i)) for i in range(2)]
+            >>> pair = pb.ReducePair(value=pb.DistributedValue(components=parts), destinations=["CPU:1"])
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> context = SimpleNamespace(time_remaining=lambda: None)  # a call without a gRPC deadline
+            >>> reply = service.BatchReduce(pb.BatchReduceRequest(reduce_op=pb.REDUCE_OP_MEAN, pairs=[pair]), context)
+            >>> [codec.decode(r.result.components[0].tensor) for r in reply.results]
+            [array([0. , 0.5])]
+        """
         encoding = decode.encoding([p.value for p in request.pairs])
         n = len(request.pairs)
         results, slots = self._reduce(
@@ -136,6 +181,19 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         ])
 
     def Broadcast(self, request, context):
+        """Copies the tensor to every destination (from the source process, in a collective).
+
+        Example:
+            >>> import numpy as np
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> request = pb.BroadcastRequest(tensor=codec.encode(np.arange(3)), destinations=["CPU:0", "CPU:1"])
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> context = SimpleNamespace(time_remaining=lambda: None)  # a call without a gRPC deadline
+            >>> reply = service.Broadcast(request, context)
+            >>> [(c.device[-5:], codec.decode(c.tensor).tolist()) for c in reply.result.components]
+            [('CPU:0', [0, 1, 2]), ('CPU:1', [0, 1, 2])]
+        """
         group = decode.group(request)
         regions = _regions()
         with self._failing(group):
@@ -170,6 +228,18 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return pb.BroadcastResponse(result=self._encode(result, encoding, slots))
 
     def JoinGroup(self, request, context):
+        """Meets the group's other processes and assigns each its devices.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> request = pb.JoinGroupRequest(group="g", num_processes=1, devices=["CPU:1"])
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> context = SimpleNamespace(time_remaining=lambda: None)  # a call without a gRPC deadline
+            >>> reply = service.JoinGroup(request, context)
+            >>> list(reply.local_devices)
+            ['/job:localhost/replica:0/task:0/device:CPU:1']
+        """
         group = decode.collective(pb.CollectiveSpec(group=request.group, num_processes=request.num_processes,
                                                     process_id=request.process_id, name="join"))
         deadline = self._deadline(request, context, group)
@@ -194,23 +264,89 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         )
 
     def ReduceStream(self, request_iterator, context):
+        """A BatchReduce whose tensors arrive and leave in chunks; :func:`xreduced.streaming.reduce_stream`
+        shows a whole stream.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> list(service.ReduceStream(iter([]), SimpleNamespace(time_remaining=lambda: None)))
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.InvalidArgument: header: the stream ended before its header (a BatchReduceRequest)
+        """
         return streaming.reduce_stream(self, request_iterator, context)
 
     def OpenSession(self, request, context):
+        """Opens a session (see :meth:`RegionService.OpenSession`).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> context = SimpleNamespace(add_callback=lambda callback: None, peer=lambda: "unix:")
+            >>> next(service.OpenSession(pb.OpenSessionRequest(), context)).cuda_ipc
+            False
+        """
         return self.region_service.OpenSession(request, context)
 
     def RegisterRegion(self, request, context):
+        """Maps a region of the caller's memory (see :meth:`RegionService.RegisterRegion`).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> remote = SimpleNamespace(peer=lambda: "ipv4:10.0.0.5:1")  # the call's context
+            >>> service.RegisterRegion(pb.RegisterRegionRequest(name="in"), remote)
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.PermissionDenied: name: regions are for callers on the daemon's host (a unix socket or
+            loopback); this call came from ipv4:10.0.0.5:1
+        """
         return self.region_service.RegisterRegion(request, context)
 
     def UnregisterRegion(self, request, context):
+        """Releases regions of the session (see :meth:`RegionService.UnregisterRegion`).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> session = service.regions.open_session()
+            >>> context = SimpleNamespace(invocation_metadata=lambda: [("x-xreduce-session", session.id)])
+            >>> service.UnregisterRegion(pb.UnregisterRegionRequest(name=""), context) == pb.UnregisterRegionResponse()
+            True
+        """
         return self.region_service.UnregisterRegion(request, context)
 
     def ListRegions(self, request, context):
+        """The session's regions (see :meth:`RegionService.ListRegions`).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> session = service.regions.open_session()
+            >>> context = SimpleNamespace(invocation_metadata=lambda: [("x-xreduce-session", session.id)])
+            >>> list(service.ListRegions(pb.ListRegionsRequest(), context).regions)
+            []
+        """
         return self.region_service.ListRegions(request, context)
 
     def refused(self, request, error: LimitExceeded) -> None:
         """A request was refused at admission: the collective it belonged to fails for every process
-        (they would otherwise wait for this one until their timeout)."""
+        (they would otherwise wait for this one until their timeout).
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> request = pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, process_id=0))
+            >>> service.refused(request, LimitExceeded("over --max-request-bytes", "max_request_bytes"))
+            >>> service.rendezvous.remembered_failures()  # process 1 of the collective now fails at once
+            1
+        """
         if "collective" not in request.DESCRIPTOR.fields_by_name:
             return
         with contextlib.suppress(ServiceError):  # a bad collective spec: there is nobody to tell

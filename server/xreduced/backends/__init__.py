@@ -15,7 +15,13 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
-    """One logical device as the daemon reports it."""
+    """One logical device as the daemon reports it.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> NumpyBackend(2).devices()[1]
+        DeviceInfo(device_type='CPU', index=1, memory_bytes=..., physical_device='host')
+    """
 
     device_type: str
     index: int
@@ -24,7 +30,19 @@ class DeviceInfo:
 
 
 class DeviceRegion(Protocol):
-    """Another process's device memory, mapped by :meth:`Backend.open_ipc`."""
+    """Another process's device memory, mapped by :meth:`Backend.open_ipc`.
+
+    The CuPy backend's maps GPU memory; any object with these members serves.
+
+    Example:
+        >>> class HostRegion:  # the same contract over host memory
+        ...     array = np.arange(8, dtype=np.uint8)
+        ...     def view(self, offset, dtype, shape): return self.array[offset:].view(dtype).reshape(shape)
+        ...     def close(self): pass
+        >>> region: DeviceRegion = HostRegion()
+        >>> region.view(4, np.dtype(np.uint16), (2,)), region.close()
+        (array([1284, 1798], dtype=uint16), None)
+    """
 
     array: Any
     """The region's bytes: a 1-D ``uint8`` device array."""
@@ -35,10 +53,17 @@ class DeviceRegion(Protocol):
 
         Raises:
             ValueError: the region holds too few bytes from ``offset``.
+
+        Example:
+            See the class example, which views 2 ``uint16`` from byte 4.
         """
 
     def close(self) -> None:
-        """Unmaps the region; views of it must not be used afterwards."""
+        """Unmaps the region; views of it must not be used afterwards.
+
+        Example:
+            See the class example, which closes its region.
+        """
 
 
 class Backend(Protocol):
@@ -65,41 +90,145 @@ class Backend(Protocol):
     cuda_ipc: ClassVar[bool] = False
     """Whether :meth:`open_ipc` maps CUDA IPC handles; without it, it is never called."""
 
-    def devices(self) -> list[DeviceInfo]: ...
+    def devices(self) -> list[DeviceInfo]:
+        """The logical devices ``0..N-1``, in order.
 
-    def peer_access(self) -> list[list[bool]]: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> [d.index for d in NumpyBackend(2).devices()]
+            [0, 1]
+        """
 
-    def upload(self, device: int, array: np.ndarray) -> Any: ...
+    def peer_access(self) -> list[list[bool]]:
+        """Whether device ``i`` reaches device ``j`` directly, per pair (never itself).
 
-    def download(self, buf: Any) -> np.ndarray: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(2).peer_access()
+            [[False, True], [True, False]]
+        """
+
+    def upload(self, device: int, array: np.ndarray) -> Any:
+        """A buffer on ``device`` holding a copy of ``array``.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(2).upload(1, np.arange(3.0))
+            array([0., 1., 2.])
+        """
+
+    def download(self, buf: Any) -> np.ndarray:
+        """A buffer's contents as a host array.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> b.download(b.upload(0, np.arange(2)))
+            array([0, 1])
+        """
 
     def write(self, dst: Any, buf: Any) -> None:
         """Copies ``buf`` (a buffer, or an array as ``upload`` takes) into ``dst`` (same dtype and
         size): a host array, e.g. a caller's shared-memory output, without an intermediate host copy,
-        or one of this backend's device arrays."""
+        or one of this backend's device arrays.
 
-    def copy(self, buf: Any, device: int) -> Any: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> dst = np.zeros(2)
+            >>> NumpyBackend(1).write(dst, np.arange(2.0)); dst
+            array([0., 1.])
+        """
 
-    def add(self, a: Any, b: Any) -> Any: ...
+    def copy(self, buf: Any, device: int) -> Any:
+        """A copy of ``buf`` on ``device``.
 
-    def add_into(self, acc: Any, b: Any) -> None: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(2)
+            >>> b.copy(b.upload(0, np.ones(2)), 1)
+            array([1., 1.])
+        """
 
-    def gather(self, device: int, parts: list[tuple[Any, int, int]]) -> Any: ...
+    def add(self, a: Any, b: Any) -> Any:
+        """``a + b`` in ``a``'s dtype, a new buffer on ``a``'s device.
 
-    def reshape(self, buf: Any, shape: tuple[int, ...]) -> Any: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> b.add(b.upload(0, np.array([1, 2], np.float16)), b.upload(0, np.array([3, 4], np.float16)))
+            array([4., 6.], dtype=float16)
+        """
 
-    def divide(self, buf: Any, n: int) -> Any: ...
+    def add_into(self, acc: Any, b: Any) -> None:
+        """``acc += b``, in place.
 
-    def synchronize(self) -> None: ...
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> acc = b.upload(0, np.ones(2))
+            >>> b.add_into(acc, b.upload(0, np.ones(2))); acc
+            array([2., 2.])
+        """
+
+    def gather(self, device: int, parts: list[tuple[Any, int, int]]) -> Any:
+        """The flat elements ``[start, stop)`` of each ``(buffer, start, stop)``, joined in order on ``device``.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> x = b.upload(0, np.arange(4))
+            >>> b.gather(0, [(x, 2, 4), (x, 0, 1)])
+            array([2, 3, 0])
+        """
+
+    def reshape(self, buf: Any, shape: tuple[int, ...]) -> Any:
+        """``buf`` with ``shape`` (same elements, same device).
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> b.reshape(b.upload(0, np.arange(4)), (2, 2)).shape
+            (2, 2)
+        """
+
+    def divide(self, buf: Any, n: int) -> Any:
+        """MEAN's ``buf / n``: integers are promoted to a float dtype first.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> b = NumpyBackend(1)
+            >>> b.divide(b.upload(0, np.array([3], np.int32)), 2)
+            array([1.5])
+        """
+
+    def synchronize(self) -> None:
+        """Waits until every device's queued work is done.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(1).synchronize()  # host arrays: nothing is ever queued
+        """
 
     def is_device_array(self, array: Any) -> bool:
         """Whether ``array`` is device memory this backend reads and writes in place (e.g. a view of
-        a caller's CUDA IPC region), which may stand where a numpy array does; default: none is."""
+        a caller's CUDA IPC region), which may stand where a numpy array does; default: none is.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(1).is_device_array(np.zeros(2))
+            False
+        """
         return False
 
     def to_host(self, array: Any) -> np.ndarray:
         """A result array as a numpy array (a device array is copied to the host); default:
-        ``numpy.asarray``."""
+        ``numpy.asarray``.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(1).to_host([1, 2])
+            array([1, 2])
+        """
         return np.asarray(array)
 
     def open_ipc(self, mem_handle: bytes, device_id: int, offset: int, byte_size: int,
@@ -110,6 +239,13 @@ class Backend(Protocol):
         Raises:
             ValueError: a bad handle, device, offset or size, naming the request field; by
                 default, always (the backend cannot open CUDA IPC handles).
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(1).open_ipc(bytes(64), 0, 0, 16)
+            Traceback (most recent call last):
+            ...
+            ValueError: cuda_ipc: the numpy backend cannot open CUDA IPC handles
         """
         raise ValueError(f"cuda_ipc: the {self.name} backend cannot open CUDA IPC handles")
 
