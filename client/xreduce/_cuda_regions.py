@@ -73,7 +73,7 @@ class OutputPool:
             fits = [b for b in free if b.nbytes - OUTPUT_ALIGNMENT >= nbytes]
             if fits:
                 buffer = min(fits, key=lambda b: b.nbytes)
-                free.remove(buffer)
+                _drop(free, buffer)
                 return buffer
         with cp.cuda.Device(device_id):
             return cp.empty(max(MIN_OUTPUT_BYTES, 1 << (nbytes - 1).bit_length()) + OUTPUT_ALIGNMENT, cp.uint8)
@@ -88,12 +88,14 @@ class OutputPool:
             ...     pool.release(0, np.zeros(size, np.uint8))
             >>> pool.acquire(None, 0, 1).nbytes  # the smallest, 100 bytes, was let go
             200
+            >>> pool.acquire(None, 0, 300).nbytes  # not the first free one: taken by identity, not by ==
+            400
         """
         with self._lock:
             free = self._free.setdefault(device_id, [])
             free.append(buffer)
             while len(free) > FREE_OUTPUTS_KEPT:
-                free.remove(min(free, key=lambda b: b.nbytes))
+                _drop(free, min(free, key=lambda b: b.nbytes))
 
     def clear(self) -> None:
         """Lets every free buffer go.
@@ -220,3 +222,15 @@ class CudaRegions:
         """
         with self._lock:
             return [r.name for r in self._regions.values()]
+
+
+def _drop(buffers: list, buffer) -> None:
+    """Removes ``buffer`` itself from ``buffers``: ``list.remove`` compares arrays with ``==``, elementwise.
+
+    Example:
+        >>> import numpy as np
+        >>> a, b = np.zeros(4), np.zeros(4)
+        >>> free = [a, b]; _drop(free, b); free[0] is a
+        True
+    """
+    del buffers[next(i for i, x in enumerate(buffers) if x is buffer)]
