@@ -107,14 +107,57 @@ def unlink(name: str) -> None:
     _reaper.remove(name)
 
 
+class _Lane:
+    """Queued work and the background thread that runs it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pending: collections.deque = collections.deque()
+        self.wake: queue.SimpleQueue = queue.SimpleQueue()  # one token per queued work: the worker wakes up
+        self.worker: tuple[int, threading.Thread] | None = None
+        self.running = threading.Lock()  # held while the background thread works, so that pausing waits
+
+    def later(self, fn: Callable, args: tuple) -> None:
+        self.pending.append((fn, args))
+        self.wake.put(None)
+
+    def run_queued(self) -> None:
+        while True:
+            try:
+                fn, args = self.pending.popleft()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):
+                fn(*args)
+
+    def start(self) -> None:
+        """Makes sure this process has the lane's background thread."""
+        worker = self.worker
+        if worker is None or worker[0] != os.getpid():
+            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            thread.start()
+            self.worker = (os.getpid(), thread)
+
+    def _run(self) -> None:
+        while True:
+            self.wake.get()
+            with self.running:
+                self.run_queued()
+
+
 class Releases:
-    """Work that finalizers hand over (unlinking freed segments, returning output segments).
+    """Work that finalizers hand over (unlinking freed segments, returning output segments, telling the
+    daemon a region is gone).
 
     Finalizers may run inside any allocation (the garbage collector), maybe
     while this thread holds a lock of the SDK, so they only queue their work
     here (``deque.append`` and ``SimpleQueue.put`` take no lock); it runs
-    outside every lock: in a background thread, and at the start of the next
-    call (:meth:`drain`).
+    outside every lock, in background threads. Local work (:meth:`later`:
+    unlinking, returning segments to their pool) also runs at the start of the
+    next call (:meth:`drain`); calls to a daemon (:meth:`later_remote`) run in
+    a lane of their own, so that a daemon that is slow to answer (stopped,
+    unreachable: each call waits up to its bound) never holds up this process's
+    segments.
 
     Example:
         >>> done = []
@@ -126,63 +169,74 @@ class Releases:
     """
 
     def __init__(self):
-        self._pending: collections.deque = collections.deque()
-        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # one token per queued work: the worker wakes up
-        self._worker: tuple[int, threading.Thread] | None = None
-        self._running = threading.Lock()  # held while the background thread works, so that :meth:`paused` waits
+        self._local = _Lane("xreduce-shm-release")
+        self._remote = _Lane("xreduce-shm-unregister")
 
     def later(self, fn: Callable, *args) -> None:
-        """Queues ``fn(*args)``."""
-        self._pending.append((fn, args))
-        self._wake.put(None)
+        """Queues ``fn(*args)``, local work."""
+        self._local.later(fn, args)
 
-    def _run_pending(self) -> None:
-        while True:
-            self._wake.get()
-            with self._running:
-                self.run_queued()
+    def later_remote(self, fn: Callable, *args) -> None:
+        """Queues ``fn(*args)``, a call to a daemon; it runs in the background only (started by :meth:`drain`).
+
+        Example:
+            >>> import threading
+            >>> done = threading.Event()
+            >>> releases = Releases()
+            >>> releases.later_remote(done.set); releases.drain()
+            >>> done.wait(10)
+            True
+        """
+        self._remote.later(fn, args)
 
     def run_queued(self) -> None:
-        """Runs the queued work in this thread, and starts nothing (at exit no thread may start)."""
-        while True:
-            try:
-                fn, args = self._pending.popleft()
-            except IndexError:
-                return
-            with contextlib.suppress(Exception):
-                fn(*args)
+        """Runs the queued work in this thread, local then remote, and starts nothing (at exit no thread may
+        start).
+
+        Example:
+            >>> releases = Releases()
+            >>> releases.later_remote(print, "unregistered"); releases.later(print, "unlinked")
+            >>> releases.run_queued()
+            unlinked
+            unregistered
+        """
+        self._local.run_queued()
+        self._remote.run_queued()
 
     def drain(self) -> None:
-        """Runs the queued work, and makes sure this process's background thread runs later work."""
-        worker = self._worker
-        if worker is None or worker[0] != os.getpid():
-            thread = threading.Thread(target=self._run_pending, name="xreduce-shm-release", daemon=True)
-            thread.start()
-            self._worker = (os.getpid(), thread)
-        self.run_queued()
+        """Runs the queued local work, and makes sure this process's background threads run later work.
+
+        Example:
+            >>> Releases().drain()
+        """
+        self._local.start()
+        self._remote.start()
+        self._local.run_queued()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Inside the block, the background thread runs nothing (what it was running finishes first);
+        """Inside the block, the background threads run nothing (what they were running finishes first);
         :meth:`drain` and :meth:`run_queued` still run the queued work, in the caller's thread.
 
         Example:
             >>> releases = Releases()
-            >>> releases.drain()  # the background thread runs
+            >>> releases.drain()  # the background threads run
             >>> with releases.paused():
             ...     releases.later(print, "released")
             ...     releases.run_queued()
             released
         """
-        with self._running:
+        with self._local.running, self._remote.running:
             yield
 
     def after_fork_in_child(self) -> None:
-        """A forked child has no worker thread, and a queue or lock another thread may have held."""
-        self._pending = collections.deque()
-        self._wake = queue.SimpleQueue()
-        self._worker = None
-        self._running = threading.Lock()
+        """A forked child has no worker threads, and queues or locks another thread may have held.
+
+        Example:
+            >>> Releases().after_fork_in_child()
+        """
+        self._local = _Lane(self._local.name)
+        self._remote = _Lane(self._remote.name)
 
 
 class SegmentUser(Protocol):
@@ -238,7 +292,7 @@ class SharedArrays:
         return array
 
     def _forget(self, pid: int, address: int, name: str) -> None:
-        """The last view of a segment is gone: unregister it everywhere, unlink it.
+        """The last view of a segment is gone: unlink it, and unregister it everywhere (in the background).
         (Not in a forked child: the segment is its parent's.)"""
         if os.getpid() != pid:
             return
@@ -248,9 +302,9 @@ class SharedArrays:
                 del self._starts[i]
             self._entries.pop(address, None)
             users = list(self._users.pop(name, ()))
-        for user in users:
-            user.forget(name)
         unlink(name)
+        for user in users:
+            self._releases.later_remote(user.forget, name)
 
     def find(self, array: np.ndarray) -> tuple[str, int, int] | None:
         """The (segment name, byte offset, segment size) of a C-contiguous array in one of the segments, else None."""

@@ -171,7 +171,7 @@ class SharedMemory:
         """Unlinks a segment of a failed call now, and unregisters it in the background (no RPC on the
         way out of a call that failed: the daemon may be the reason)."""
         seg.unlink()
-        self._releases.later(self.forget, seg.name)
+        self._releases.later_remote(self.forget, seg.name)
 
     def _unregister(self, name: str) -> None:
         with self._registering:
@@ -237,15 +237,16 @@ class SharedMemory:
 
         return tensors, free
 
-    def output(self, nbytes: int) -> tuple[pb.RegionSlice, Callable[[pb.Tensor], np.ndarray]]:
+    def output(self, nbytes: int) -> tuple[pb.RegionSlice, Output]:
         """An output slice of at least ``nbytes``; the segment is reused once
         the call's result arrays (and the returned function) are gone, and only
         if the daemon's answer placed results in it: without one, the daemon
         may still write there, and the segment is unlinked instead.
 
         Returns:
-            (the slice to send, a function turning a reply tensor into an array:
-            a view of the segment).
+            (the slice to send, the :class:`Output` that turns a reply tensor
+            into an array, a view of the segment, or abandons the segment when
+            the call got no answer).
 
         Raises:
             OSError: no room in ``/dev/shm`` for the output segment.
@@ -254,22 +255,9 @@ class SharedMemory:
         seg = self._acquire(self._outputs, max(nbytes, 1))
         hold = np.frombuffer(seg.mm, np.uint8, seg.size)  # views of it keep the segment busy
         answered = [False]  # set once the daemon's answer is read: it is done with the segment
-        weakref.finalize(hold, self._releases.later, self._give_back_output, seg, answered)
-
-        def result(tensor: pb.Tensor) -> np.ndarray:
-            answered[0] = True
-            if not tensor.HasField("region"):
-                return codec.decode(tensor)
-            dtype, shape = codec.spec(tensor)
-            r = tensor.region
-            if r.name != seg.name or r.offset + r.byte_size > seg.size:
-                raise ValueError(f"the daemon placed a result at {r.name}[{r.offset}:+{r.byte_size}], outside the "
-                                 f"output segment {seg.name} of {seg.size} bytes")
-            view = hold[r.offset:r.offset + r.byte_size].view(dtype).reshape(shape)
-            # A small result kept for long (a loss per step) must not pin a whole segment: copy it.
-            return view.copy() if r.byte_size <= COPY_RESULTS_UP_TO else view
-
-        return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), result
+        finalizer = weakref.finalize(hold, self._releases.later, self._give_back_output, seg, answered)
+        return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), Output(seg, hold, answered, finalizer,
+                                                                                    self._discard)
 
     def _give_back_output(self, seg: Segment, answered: list[bool]) -> None:
         if answered[0]:
@@ -286,6 +274,47 @@ class SharedMemory:
         self._outputs.close()
         if session is not None:
             session.close()
+
+
+class Output:
+    """A call's output segment: reads the results the daemon placed there, or lets the segment go at once
+    when the call got no answer (rather than when the garbage collector finds it: a failed call's frames
+    often sit in reference cycles with its exception).
+
+    Example:
+        >>> import weakref
+        >>> from xreduce._segments import Segment
+        >>> seg, gone = Segment(64, prefix="xdoc"), []
+        >>> hold = np.frombuffer(seg.mm, np.uint8, seg.size)
+        >>> out = Output(seg, hold, [False], weakref.finalize(hold, print, "finalized"), gone.append)
+        >>> out.abandon(); [s.name for s in gone] == [seg.name]
+        True
+        >>> seg.unlink()
+    """
+
+    def __init__(self, seg: Segment, hold: np.ndarray, answered: list[bool], finalizer: weakref.finalize,
+                 discard: Callable[[Segment], None]):
+        self._seg, self._hold, self._answered = seg, hold, answered
+        self._finalizer, self._discard = finalizer, discard
+
+    def __call__(self, tensor: pb.Tensor) -> np.ndarray:
+        """The result ``tensor`` names: a view of the segment (small ones copied out), or decoded bytes."""
+        self._answered[0] = True
+        if not tensor.HasField("region"):
+            return codec.decode(tensor)
+        dtype, shape = codec.spec(tensor)
+        r, seg = tensor.region, self._seg
+        if r.name != seg.name or r.offset + r.byte_size > seg.size:
+            raise ValueError(f"the daemon placed a result at {r.name}[{r.offset}:+{r.byte_size}], outside the "
+                             f"output segment {seg.name} of {seg.size} bytes")
+        view = self._hold[r.offset:r.offset + r.byte_size].view(dtype).reshape(shape)
+        # A small result kept for long (a loss per step) must not pin a whole segment: copy it.
+        return view.copy() if r.byte_size <= COPY_RESULTS_UP_TO else view
+
+    def abandon(self) -> None:
+        """The call got no answer: the daemon may still write here, so the segment is never reused."""
+        if self._finalizer.detach() is not None and self._seg.pid == os.getpid():
+            self._discard(self._seg)
 
 
 def _region_tensor(array: np.ndarray, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:

@@ -27,7 +27,7 @@ from xreduce._call import Algorithm, BroadcastCall, ReduceCall
 from xreduce._client import Client
 from xreduce._errors import XReduceError
 from xreduce._runtime import ProcessGroup
-from xreduce._shared_memory import SharedMemory
+from xreduce._shared_memory import Output, SharedMemory
 from xreduce._values import Mirrored
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
@@ -241,10 +241,18 @@ class _RegionsPath(Transport):
                       for p in call.pairs]
             results = _send(self._client, call, values, self._shm.session_id(), output=output)
         except BaseException:
-            free(failed=True)  # no answer: the daemon may still use the staged inputs
+            free(failed=True)  # no answer: the daemon may still use the staged inputs, and the output
+            _abandon(result)
             raise
         free()
         return [_regroup(r, restore, result) for r, restore in zip(results, restores)]
+
+
+def _abandon(result: Callable) -> None:
+    """Lets a failed call's shared-memory output segment go now (a CUDA IPC output buffer goes back to its
+    pool when its results are gone, as before)."""
+    if isinstance(result, Output):
+        result.abandon()
 
 
 class SharedMemoryPath(_RegionsPath):
@@ -274,7 +282,8 @@ class SharedMemoryPath(_RegionsPath):
         try:
             reply = self._client.broadcast(request, session=self._shm.session_id())
         except BaseException:
-            free(failed=True)  # no answer: the daemon may still use the staged input
+            free(failed=True)  # no answer: the daemon may still use the staged input, and the output
+            _abandon(result)
             raise
         free()
         return _regroup(reply.result, call.restore, result)
