@@ -18,7 +18,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 
 import grpc
 import numpy as np
@@ -205,16 +204,12 @@ def test_tls_server_name_override(tls_daemon, pki, monkeypatch):
         _broadcast(xreduce.Client(tls_daemon.address))
 
 
-FAST_SECONDS = 1.0
-"""A TLS mismatch is reported within this: it is not retried (it took 4.7 s of retries)."""
-
-
 def _fails_fast(call, *hints: str) -> str:
-    started = time.monotonic()
+    """The call fails with the TLS-mismatch message (which the SDK does not retry: see
+    tests/integration/test_connection_errors.py for the retry counts)."""
     with pytest.raises(xreduce.UnavailableError) as e:
         call()
-    took, message = time.monotonic() - started, str(e.value)
-    assert took < FAST_SECONDS, f"{took:.2f}s: {message}"
+    message = str(e.value)
     assert "is unavailable, probably a TLS mismatch: " in message
     for hint in hints:
         assert hint in message
