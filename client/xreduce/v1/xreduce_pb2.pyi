@@ -141,18 +141,20 @@ class PeerRow(_message.Message):
     def __init__(self, can_access: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class CollectiveSpec(_message.Message):
-    __slots__ = ("group", "num_processes", "process_id", "sequence", "name")
+    __slots__ = ("group", "num_processes", "process_id", "sequence", "name", "epoch")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     group: str
     num_processes: int
     process_id: int
     sequence: int
     name: str
-    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., sequence: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., sequence: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ()
@@ -265,18 +267,20 @@ class BroadcastResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[DistributedValue, _Mapping]] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
-    __slots__ = ("group", "num_processes", "process_id", "devices", "timeout")
+    __slots__ = ("group", "num_processes", "process_id", "devices", "timeout", "coordinator")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     group: str
     num_processes: int
     process_id: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     timeout: _duration_pb2.Duration
-    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    coordinator: str
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
 class ProcessDevices(_message.Message):
     __slots__ = ("process_id", "devices")
@@ -287,14 +291,38 @@ class ProcessDevices(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("local_devices", "global_devices", "processes")
+    __slots__ = ("local_devices", "global_devices", "processes", "epoch", "group", "nodes", "node_index", "engine")
     LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     local_devices: _containers.RepeatedScalarFieldContainer[str]
     global_devices: _containers.RepeatedScalarFieldContainer[str]
     processes: _containers.RepeatedCompositeFieldContainer[ProcessDevices]
-    def __init__(self, local_devices: _Optional[_Iterable[str]] = ..., global_devices: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessDevices, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    group: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
+    node_index: int
+    engine: str
+    def __init__(self, local_devices: _Optional[_Iterable[str]] = ..., global_devices: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessDevices, _Mapping]]] = ..., epoch: _Optional[int] = ..., group: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., node_index: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class ClusterNode(_message.Message):
+    __slots__ = ("index", "node_id", "address", "processes", "backend")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    node_id: str
+    address: str
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessDevices]
+    backend: str
+    def __init__(self, index: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessDevices, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -336,7 +364,7 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls_by_code: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth")
+    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +376,7 @@ class GetStatusResponse(_message.Message):
     TLS_FIELD_NUMBER: _ClassVar[int]
     MUTUAL_TLS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AUTH_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
@@ -359,7 +388,50 @@ class GetStatusResponse(_message.Message):
     tls: bool
     mutual_tls: bool
     token_auth: bool
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ...) -> None: ...
+
+class LostPeer(_message.Message):
+    __slots__ = ("node_index", "address", "process_ids", "reason")
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_index: int
+    address: str
+    process_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, node_index: _Optional[int] = ..., address: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GroupStatus(_message.Message):
+    __slots__ = ("group", "epoch", "state", "num_processes", "node_index", "nodes", "engine", "coordinator", "cross_node_collectives", "cross_node_bytes", "cross_node_seconds", "lost", "reason")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    CROSS_NODE_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CROSS_NODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    state: str
+    num_processes: int
+    node_index: int
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
+    engine: str
+    coordinator: bool
+    cross_node_collectives: int
+    cross_node_bytes: int
+    cross_node_seconds: float
+    lost: _containers.RepeatedCompositeFieldContainer[LostPeer]
+    reason: str
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., num_processes: _Optional[int] = ..., node_index: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., engine: _Optional[str] = ..., coordinator: _Optional[bool] = ..., cross_node_collectives: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., cross_node_seconds: _Optional[float] = ..., lost: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("probe_shm_key", "probe_nonce")
@@ -472,3 +544,149 @@ class ReduceStreamResponse(_message.Message):
     header: BatchReduceResponse
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[BatchReduceResponse, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class NodeIdentity(_message.Message):
+    __slots__ = ("node_id", "address", "devices", "backend", "engines")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("group", "num_processes", "process_id", "node", "devices", "timeout")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    num_processes: int
+    process_id: int
+    node: NodeIdentity
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    timeout: _duration_pb2.Duration
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., node: _Optional[_Union[NodeIdentity, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("epoch", "group", "nodes", "engine", "peer_timeout_seconds", "heartbeat_interval_seconds")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    group: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
+    engine: str
+    peer_timeout_seconds: float
+    heartbeat_interval_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., group: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., engine: _Optional[str] = ..., peer_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("group", "epoch", "node_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    node_id: str
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: EpochState
+    def __init__(self, state: _Optional[_Union[EpochState, _Mapping]] = ...) -> None: ...
+
+class EpochState(_message.Message):
+    __slots__ = ("ok", "epoch", "lost", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    epoch: int
+    lost: _containers.RepeatedCompositeFieldContainer[LostPeer]
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., epoch: _Optional[int] = ..., lost: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("group", "epoch", "node_id", "reason", "process_ids")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    node_id: str
+    reason: str
+    process_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: EpochState
+    def __init__(self, state: _Optional[_Union[EpochState, _Mapping]] = ...) -> None: ...
+
+class StoreSetRequest(_message.Message):
+    __slots__ = ("group", "epoch", "key", "value")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    key: str
+    value: bytes
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class StoreSetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreGetRequest(_message.Message):
+    __slots__ = ("group", "epoch", "key", "timeout")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    key: str
+    timeout: _duration_pb2.Duration
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class StoreGetResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class StoreAddRequest(_message.Message):
+    __slots__ = ("group", "epoch", "key", "amount")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    key: str
+    amount: int
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+
+class StoreAddResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...

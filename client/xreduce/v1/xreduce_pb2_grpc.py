@@ -555,3 +555,310 @@ class CrossDeviceOps:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeersStub:
+    """Peers is what node daemons say to the coordinator daemon of a group that
+    spans several nodes. Process 0's daemon serves it at the coordinator address
+    (job_addresses[0]); it keeps the membership, an epoch per membership, the
+    heartbeats, and the small store the engine meets through. Tensor bytes never
+    travel here: they cross nodes on the engine (Gloo, NCCL).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_unary(
+                '/xreduce.v1.Peers/Register',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/xreduce.v1.Peers/Heartbeat',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/xreduce.v1.Peers/ReportFailure',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
+        self.StoreSet = channel.unary_unary(
+                '/xreduce.v1.Peers/StoreSet',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreSetRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreSetResponse.FromString,
+                _registered_method=True)
+        self.StoreGet = channel.unary_unary(
+                '/xreduce.v1.Peers/StoreGet',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreGetRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreGetResponse.FromString,
+                _registered_method=True)
+        self.StoreAdd = channel.unary_unary(
+                '/xreduce.v1.Peers/StoreAdd',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreAddRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreAddResponse.FromString,
+                _registered_method=True)
+
+
+class PeersServicer:
+    """Peers is what node daemons say to the coordinator daemon of a group that
+    spans several nodes. Process 0's daemon serves it at the coordinator address
+    (job_addresses[0]); it keeps the membership, an epoch per membership, the
+    heartbeats, and the small store the engine meets through. Tensor bytes never
+    travel here: they cross nodes on the engine (Gloo, NCCL).
+    """
+
+    def Register(self, request, context):
+        """Registers one process of a group and waits, bounded, until all
+        num_processes have registered: the reply is a new epoch's membership.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """A node daemon is alive; the reply says whether its epoch still stands.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """A node daemon ends its epoch: a process left, the engine failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreSet(self, request, context):
+        """The engine's rendezvous store, one per group and epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreGet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.ReportFailureRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'StoreSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreSet,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreSetRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreSetResponse.SerializeToString,
+            ),
+            'StoreGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreGet,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreGetRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreGetResponse.SerializeToString,
+            ),
+            'StoreAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreAdd,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.StoreAddRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.StoreAddResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'xreduce.v1.Peers', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('xreduce.v1.Peers', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peers:
+    """Peers is what node daemons say to the coordinator daemon of a group that
+    spans several nodes. Process 0's daemon serves it at the coordinator address
+    (job_addresses[0]); it keeps the membership, an epoch per membership, the
+    heartbeats, and the small store the engine meets through. Tensor bytes never
+    travel here: they cross nodes on the engine (Gloo, NCCL).
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/Register',
+            xreduce_dot_v1_dot_xreduce__pb2.RegisterRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/Heartbeat',
+            xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/ReportFailure',
+            xreduce_dot_v1_dot_xreduce__pb2.ReportFailureRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/StoreSet',
+            xreduce_dot_v1_dot_xreduce__pb2.StoreSetRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.StoreSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/StoreGet',
+            xreduce_dot_v1_dot_xreduce__pb2.StoreGetRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.StoreGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.Peers/StoreAdd',
+            xreduce_dot_v1_dot_xreduce__pb2.StoreAddRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.StoreAddResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
