@@ -9,6 +9,12 @@ the trainers run to completion with the same loss and weights checksum at every 
 metrics port, where there is one; ``docker compose stop`` ends the daemon with status 0; ``down -v``
 always. Every wait is bounded.
 
+The cluster file (two nodes on their own bridge network, a daemon and a trainer each) is brought up on
+the cluster image: the network has the subnet, gateway and node addresses asked for; both daemons turn
+healthy and have Gloo; each trainer is in its daemon's network namespace and reaches it through the
+socket; both trainers exit 0 printing the sums computed here from the example's inputs; ``docker
+compose stop`` ends both daemons with status 0.
+
 CI runs this as root on Debian with the Debian archive and PyPI reachable but no container registry,
 so setup installs what is missing rather than skipping:
 
@@ -24,7 +30,12 @@ so setup installs what is missing rather than skipping:
   ``pip install`` runs inside the build) piped into ``docker import`` and tagged
   ``xreduce-base:<codename>``; it stays in the engine, so later runs skip this step (``docker image rm``
   it to rebuild, e.g. after the host's CAs change). The compose files receive it through
-  ``XREDUCE_BASE_IMAGE``; setting that variable beforehand uses that image instead.
+  ``XREDUCE_BASE_IMAGE``; setting that variable beforehand uses that image instead;
+* for the cluster image, that base plus torch: a build here could only get PyPI's CUDA build, so the
+  test downloads this environment's torch release (the dev extra pins one whose wheel is CPU-only) with
+  ``pip download`` on the host, installs it into a container of the base with the wheel mounted, and
+  commits it as ``xreduce-torch-base:<torch>-<base id>``, kept like the base (Docker 20.10's builder
+  cannot take the wheel as a named build context). ``XREDUCE_CLUSTER_BASE_IMAGE`` names another.
 
 It skips, saying why, only where no engine can start: not root, no apt-get to install one, or a
 ``dockerd`` that does not come up (e.g. inside an unprivileged container). The GPU image is not built

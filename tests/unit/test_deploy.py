@@ -1,14 +1,17 @@
 """deploy/: the images, the compose files and the Kubernetes manifests.
 
-No Docker engine and no cluster run on these machines, so nothing here builds an image or starts a
-container. What is checked instead:
+Nothing here builds an image or starts a container (tests/integration/test_containers.py does, with a
+Docker engine; no cluster runs the manifests). What is checked:
 
 * the Dockerfiles have the required shape (base, non-root numeric user, ``xreduced`` entrypoint, a
   gRPC health HEALTHCHECK) and agree with the compose files and manifests (uid/gid, socket, probe);
 * the compose files and manifests parse and have the required structure (services, healthchecks,
   volumes, ipc/shm, ports, depends_on conditions, the GPU profile; DaemonSet, ConfigMap, Job,
   probes, hostPath, GPU resources), and every XREDUCE_* setting in them is one the daemon accepts
-  (tests/integration/test_deploy_runs.py runs the services as local processes).
+  (tests/integration/test_deploy_runs.py runs the services as local processes);
+* the two-node files agree among themselves: the compose cluster's network, node addresses and job
+  addresses; in deploy/k8s/cluster/ the DaemonSet on the node's network with the node's IP as its node
+  address, the headless Service and the Indexed Job whose pod 0 is the coordinator by its stable name.
 
 When ``check-jsonschema``, ``kubernetes-validate`` or ``hadolint`` are installed, the compose files
 are also validated against the Compose specification's schema, the manifests strictly against the
