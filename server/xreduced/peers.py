@@ -8,11 +8,13 @@ collective of the group runs in three steps:
 
 1. inside the node, the processes of this node meet in the rendezvous and their
    values are summed with the node's own plan (TF's hierarchical copy);
-2. across nodes, the node daemons all-gather the node sums on the engine (Gloo),
-   in sequence order, and each adds them in node order:
-   ``((node 0 + node 1) + node 2) ...``, the same additions on every node, so
-   every replica gets the same bytes; MEAN then divides once by the global
-   replica count;
+2. across nodes, the node daemons all-reduce the node sums on the engine (Gloo),
+   one collective after another in sequence order (:func:`sum_across`): with two
+   nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an
+   order fixed by the number of nodes and the buffer's size; a dtype Gloo cannot
+   add is all-gathered and added in node order, ``((node 0 + node 1) + node 2)``.
+   Every node gets the same bytes; MEAN then divides once by the global replica
+   count;
 3. back down, the total is copied to every destination of the node's processes.
 
 Before the bytes, the nodes exchange a small header: whether each node's
@@ -266,14 +268,12 @@ class ClusterGroup:
         with self._lock:
             return sequence is not None and self._next > sequence
 
-    def exchange(self, sequence: int, mine: np.ndarray, payload: Callable[[list[np.ndarray]], np.ndarray | None],
-                 deadline: Deadline, label: str, broadcast_root: int | None = None):
-        """All-gathers the headers, then (if ``payload(headers)`` gives bytes) the payloads, or broadcasts
-        them from node ``broadcast_root``; collective ``sequence`` enters the engine after ``sequence - 1``.
+    def exchange(self, sequence: int, mine: np.ndarray, work: Callable, deadline: Deadline, label: str):
+        """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes and
+        returns ``(result, bytes moved)``); collective ``sequence`` enters the engine after ``sequence - 1``.
 
         Returns:
-            (headers, payloads): every node's header and payload, node 0's first (for a broadcast, the
-            root's payload alone); payloads None when ``payload`` gave none.
+            (headers, result): every node's header, node 0's first, and what ``work`` returned.
 
         Raises:
             Aborted / Unavailable: the epoch failed meanwhile (naming who was lost).
@@ -292,11 +292,11 @@ class ClusterGroup:
                 raise self.error()
             self._next += 1
             self._lock.notify_all()
-            future = self._lane.submit(self._run, mine, payload, deadline, broadcast_root)
+            future = self._lane.submit(self._run, mine, work, deadline)
         start = time.perf_counter()
         while True:
             try:
-                headers, parts = future.result(timeout=0.2)
+                headers, result, moved = future.result(timeout=0.2)
                 break
             except concurrent.futures.TimeoutError:
                 left = deadline.remaining()
@@ -310,21 +310,15 @@ class ClusterGroup:
                 raise self._engine_failed(label, e) from None
         with self._lock:
             self.stats.collectives += 1
-            self.stats.bytes += sum(p.nbytes for p in parts or ()) + headers[0].nbytes * len(headers)
+            self.stats.bytes += moved + headers[0].nbytes * len(headers)
             self.stats.seconds += time.perf_counter() - start
-        return headers, parts
+        return headers, result
 
-    def _run(self, mine, payload, deadline: Deadline, root: int | None):
-        timeout = self._timeout(deadline)
-        headers = self.engine.all_gather(mine.view(np.uint8), timeout)
+    def _run(self, mine: np.ndarray, work: Callable, deadline: Deadline):
+        headers = self.engine.all_gather(mine.view(np.uint8), self._timeout(deadline))
         headers = [h.view(np.int64) for h in headers]
-        data = payload(headers)
-        if data is None:
-            return headers, None
-        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if root is not None:
-            return headers, [self.engine.broadcast(data, root, self._timeout(deadline))]
-        return headers, self.engine.all_gather(data, self._timeout(deadline))
+        result, moved = work(self.engine, headers, self._timeout(deadline))
+        return headers, result, moved
 
     def _timeout(self, deadline: Deadline) -> float:
         left = deadline.remaining()
@@ -365,27 +359,18 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         mine = header(_OK, sig, replicas, sum(a.nbytes for a in sums))
     except InvalidArgument as e:
         refused, sums, mine = e, [], header(_REFUSED)
-    headers, parts = cluster.exchange(
-        sequence, mine, lambda hs: _concat(sums) if all(h[0] == _OK for h in hs) and _agree(hs) else None,
-        deadline, what)
+    def work(engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        return sum_across(engine, sums, timeout)
+
+    headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
     total_replicas = int(sum(h[2] for h in headers))
     results: dict[int, list[Result]] = {}
-    finals = []
-    offset = 0
-    for node_sum in sums:
-        size = node_sum.nbytes
-        total = None
-        for part in parts:  # node order: the same additions on every node
-            x = part[offset:offset + size].view(node_sum.dtype).reshape(node_sum.shape)
-            if total is None:
-                total = x.copy()
-            else:
-                np.add(total, x, out=total)
-        offset += size
-        finals.append(divide(np, total, total_replicas) if ref.op == MEAN else total)
+    finals = [divide(np, t, total_replicas) if ref.op == MEAN else t for t in totals]
     for pid, c in shares.items():
         mine_results = []
         for t, (_, dests) in enumerate(c.pairs):
@@ -425,11 +410,14 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     except InvalidArgument as e:
         refused, mine = e, header(_REFUSED)
     root = cluster.node_of.get(source_pid, 0)
-    headers, parts = cluster.exchange(
-        sequence, mine,
-        lambda hs: (array if array is not None else np.empty(int(hs[root][3]), np.uint8))
-        if all(h[0] == _OK for h in hs) and _agree(hs) else None,
-        deadline, what, broadcast_root=root)
+
+    def work(engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        data = array.reshape(-1).view(np.uint8) if array is not None else np.empty(int(headers[root][3]), np.uint8)
+        return engine.broadcast(data, root, timeout), data.nbytes
+
+    headers, received = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
@@ -437,7 +425,7 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
         return broadcast_together(engine, shares, what, deadline)
     h = headers[root]
     dtype = codec.numpy_dtype(int(h[4]))
-    received = parts[0].view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
+    received = received.view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
     out: dict[int, np.ndarray] = {}
     for share in shares.values():
         for d, target in (share.out or {}).items():
@@ -447,10 +435,36 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
 
 
-def _concat(arrays: list[np.ndarray]) -> np.ndarray:
-    if not arrays:
-        return np.empty(0, np.uint8)
-    return np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+def sum_across(engine: gloo.GlooEngine, sums: list[np.ndarray], timeout: float) -> tuple[list[np.ndarray], int]:
+    """Every node's ``sums`` added together, the same bytes on every node; returns (totals, bytes moved).
+
+    The tensors of one dtype travel as one buffer. A dtype Gloo adds (:data:`gloo.SUMMABLE`) is all-reduced
+    by Gloo: with two nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an order
+    fixed by the number of nodes and the buffer's size. Other dtypes are all-gathered and added here in node
+    order, ``((node 0 + node 1) + node 2) ...``.
+    """
+    totals: list[np.ndarray | None] = [None] * len(sums)
+    moved = 0
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for t, a in enumerate(sums):
+        by_dtype.setdefault(a.dtype, []).append(t)
+    for dtype, indices in by_dtype.items():
+        flat = np.concatenate([sums[t].reshape(-1) for t in indices]) if len(indices) > 1 else \
+            sums[indices[0]].reshape(-1).copy()
+        moved += flat.nbytes
+        if gloo.summable(dtype):
+            total = engine.all_reduce(flat, timeout)
+        else:
+            parts = engine.all_gather(flat.view(np.uint8), timeout)
+            total = parts[0].view(dtype).copy()
+            for part in parts[1:]:  # node order: the same additions on every node
+                np.add(total, part.view(dtype), out=total)
+        offset = 0
+        for t in indices:
+            size = sums[t].size
+            totals[t] = total[offset:offset + size].reshape(sums[t].shape)
+            offset += size
+    return totals, moved
 
 
 def _agree(headers: list[np.ndarray]) -> bool:
