@@ -11,6 +11,9 @@ partition (a node whose own link is down fails fast instead).
 What runs inside a node is started with :meth:`Node.popen`/:meth:`Node.run`
 (``ip netns exec``), or, for ``multiprocessing``, with :attr:`Nodes.python`
 as the spawn executable and :meth:`Node.env` in the child's environment.
+There, node k is also called ``nodek``: ``ip netns exec`` mounts the node's
+``/etc/netns/NAME/hosts`` over ``/etc/hosts``, so names resolve both ways
+without a DNS server (torch's store looks its peers up).
 
 Names: interface names are global until they move into a namespace and at
 most 15 characters, so every run draws a token; its namespaces are named
@@ -47,6 +50,8 @@ NETNS_ENV = "XREDUCE_NETNS"
 INTERFACE = "eth0"
 """Every node's interface to the switch, inside its namespace."""
 MAX_NODES = 253
+ETC_NETNS = "/etc/netns"
+"""Where ``ip netns exec`` finds the files it mounts over ``/etc`` inside a namespace."""
 
 _NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-([0-9a-f]{{6}})-(sw|n\d+)$")
 _VETH = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})[ab]\d+$")
@@ -158,7 +163,15 @@ def remaining(token: str) -> list[str]:
     if namespaces_unavailable() is not None:
         return []
     names = [n for n in _namespaces() if (m := _NAMESPACE.match(n)) and m.group(2) == token]
+    names += [os.path.join(ETC_NETNS, n) for n in _etc_dirs() if _NAMESPACE.match(n).group(2) == token]
     return names + [n for n in _root_links() if (m := _VETH.match(n)) and m.group(1) == token]
+
+
+def _etc_dirs() -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(ETC_NETNS) if _NAMESPACE.match(n))
+    except FileNotFoundError:
+        return []
 
 
 def sweep_leftovers() -> list[str]:
@@ -184,6 +197,10 @@ def sweep_leftovers() -> list[str]:
         _kill_inside(name)
         if _run(["ip", "netns", "delete", name], check=False).returncode == 0:
             removed.append(name)
+    for name in _etc_dirs():
+        if not _alive(int(_NAMESPACE.match(name).group(1))):
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
+            removed.append(os.path.join(ETC_NETNS, name))
     for link in _root_links():
         m = _VETH.match(link)
         if m and m.group(1) not in live_tokens and _run(["ip", "link", "delete", link], check=False).returncode == 0:
@@ -311,6 +328,11 @@ class Nodes:
         for name in names:  # every namespace first: a sweep tells a live run's veths by them
             _run(["ip", "netns", "add", name])
             self._made.append(name)
+        hosts = "127.0.0.1\tlocalhost\n" + "".join(f"{self.subnet}.{k}\tnode{k}\n" for k in range(1, self.count + 1))
+        for name in names[1:]:
+            os.makedirs(os.path.join(ETC_NETNS, name))
+            with open(os.path.join(ETC_NETNS, name, "hosts"), "w") as f:
+                f.write(hosts)
         sw = self.switch
         _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", sw, "link", "set", "br0", "up"])
@@ -350,7 +372,8 @@ class Nodes:
         ``grace`` seconds, then SIGKILL; whatever else still runs inside a
         node (their children) is SIGKILLed, since a namespace lives on while
         a process is in it; then the namespaces go (deleting a namespace
-        deletes the veth ends in it, and their peers with them).
+        deletes the veth ends in it, and their peers with them), and their
+        files under :data:`ETC_NETNS`.
 
         Raises:
             NodesError: naming what could not be removed.
@@ -371,6 +394,7 @@ class Nodes:
             done = _run(["ip", "netns", "delete", name], check=False)
             if done.returncode != 0:
                 failed.append(f"{name}: {done.stderr.strip()}")
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
         self._made.clear()
         self.nodes.clear()
         if self._tmp is not None:

@@ -82,6 +82,14 @@ def test_nodes_are_apart_from_this_namespace_and_each_other():
 
 
 @needs_namespaces
+def test_inside_a_node_every_node_has_a_name_both_ways():
+    with Nodes(2) as nodes:
+        code = "import socket; print(socket.gethostbyname('node2'), socket.gethostbyaddr('10.0.0.1')[0])"
+        done = nodes[1].run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert done.stdout == "10.0.0.2 node1\n"
+
+
+@needs_namespaces
 def test_a_cut_link_drops_packets_silently_and_restore_brings_it_back():
     with Nodes(2) as nodes:
         echo_server(nodes[2])
@@ -124,7 +132,8 @@ def test_the_python_script_runs_this_interpreter_in_the_node_its_environment_nam
 def test_teardown_stops_the_processes_and_removes_every_namespace_and_interface():
     with Nodes(3, shape="1gbit") as nodes:
         token = nodes.token
-        assert len(remaining(token)) == 4  # the switch and three nodes; the veths are inside them
+        # the switch, three nodes and their hosts files; the veths are inside the namespaces
+        assert len(remaining(token)) == 7
         server = echo_server(nodes[2])
         sleeper = nodes[3].popen(["sleep", "600"])
         python = nodes.python
@@ -160,10 +169,10 @@ def test_a_sweep_removes_what_a_killed_run_left_and_keeps_a_live_run():
         assert killed.returncode == -9, killed.stderr
         token, pid = killed.stdout.split()
         left = remaining(token)
-        assert len(left) == 3 and running(int(pid))
+        assert len(left) == 5 and running(int(pid))
         assert sorted(sweep_leftovers()) == sorted(left)
         assert remaining(token) == [] and not running(int(pid))
-        assert len(remaining(live.token)) == 2
+        assert len(remaining(live.token)) == 3
 
 
 def test_bad_arguments_name_the_argument_and_the_value():
