@@ -78,6 +78,27 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
             ``process 2 sent float32[10] but process 0 sent float32[12] for
             tensor 3 of collective 17 in group "train"``.
     """
+    check_shares(engine, shares, what)
+    ref = shares[min(shares)]
+    joined, outs = join_shares(engine, shares, what)
+    results = engine.batch_reduce(
+        ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
+        deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
+        out=outs if any(outs) else None,
+    )
+    return {
+        pid: [share_of(engine, r, dests, None if c.out is None else c.out[t])
+              for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
+        for pid, c in shares.items()
+    }
+
+
+def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) -> None:
+    """Checks the processes' contributions agree: kind, op, options, and each tensor's dtype and shape.
+
+    Raises:
+        InvalidArgument: naming the processes and what differs.
+    """
     ref_pid = min(shares)
     ref = shares[ref_pid]
     for pid in sorted(shares):
@@ -97,7 +118,7 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
         if c.out is not None and len(c.out) != len(c.pairs):
             raise InvalidArgument(f"process {pid}'s out has {len(c.out)} entries for {len(c.pairs)} values of {what}")
         for t, ((_, dests), mine) in enumerate(zip(c.pairs, c.out or ())):
-            _check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
+            check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
         for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
             mine, theirs = value.arrays[0], ref_value.arrays[0]
             if mine.dtype != theirs.dtype or mine.shape != theirs.shape:
@@ -105,6 +126,17 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
                     f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
                     f"for tensor {t} of {what}"
                 )
+
+
+def join_shares(engine: Engine, shares: Mapping[int, Contribution], what: str
+                ) -> tuple[list[tuple[Value, tuple[int, ...]]], list[dict[int, np.ndarray] | None]]:
+    """Pair ``t`` of every process joined into one value over all their devices (global device order),
+    with the union of their destinations, and where the processes want the results.
+
+    Raises:
+        InvalidArgument: two processes sent a component on one device.
+    """
+    ref = shares[min(shares)]
     joined, outs = [], []
     for t in range(len(ref.pairs)):
         owner: dict[int, int] = {}
@@ -127,16 +159,7 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
             dests.update(dict.fromkeys(pair_dests))
         joined.append((Value(tuple(arrays), tuple(arrays.values()), f"tensor {t} of {what}"), tuple(dests)))
         outs.append(out or None)
-    results = engine.batch_reduce(
-        ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
-        deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
-        out=outs if any(outs) else None,
-    )
-    return {
-        pid: [_share(engine, r, dests, None if c.out is None else c.out[t])
-              for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
-        for pid, c in shares.items()
-    }
+    return joined, outs
 
 
 def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
@@ -158,16 +181,16 @@ def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], wha
         raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
     out: dict[int, np.ndarray] = {}
     for pid, share in sorted(shares.items()):
-        _check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
+        check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
         for d, target in (share.out or {}).items():
             out.setdefault(d, target)
     dests = sorted({d for share in shares.values() for d in share.destinations})
     origin = source.source if source.source is not None else source.destinations[0]
     result = engine.broadcast(source.array, origin, dests, deadline, out=out or None)
-    return {pid: _share(engine, result, share.destinations, share.out) for pid, share in shares.items()}
+    return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
 
 
-def _check_out_devices(engine: Engine, out: Mapping[int, np.ndarray] | None, dests: tuple[int, ...],
+def check_out_devices(engine: Engine, out: Mapping[int, np.ndarray] | None, dests: tuple[int, ...],
                        what: str) -> None:
     for d in out or {}:
         if d not in dests:
@@ -175,9 +198,16 @@ def _check_out_devices(engine: Engine, out: Mapping[int, np.ndarray] | None, des
                                   f"{[engine.label(x) for x in dests]}")
 
 
-def _share(engine: Engine, result: Result, destinations: tuple[int, ...],
-           out: Mapping[int, np.ndarray] | None) -> Result:
-    """One process's part of ``result``, in its own ``out`` arrays where it gave some."""
+def share_of(engine: Engine, result: Result, destinations: tuple[int, ...],
+             out: Mapping[int, np.ndarray] | None) -> Result:
+    """One process's part of ``result``, in its own ``out`` arrays where it gave some.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> r = Result((0, 1), (np.zeros(1), np.ones(1)), "identity")
+        >>> share_of(Engine(NumpyBackend(2)), r, (1,), None).arrays
+        (array([1.]),)
+    """
     where = dict(zip(result.devices, result.arrays))
     arrays = []
     for d in destinations:

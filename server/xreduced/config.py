@@ -53,6 +53,14 @@ class Config:
     max_collectives: int = 1024
     metrics_listen: str | None = None
     """host:port for Prometheus metrics; None: no metrics endpoint."""
+    node_address: str | None = None
+    """Where the other nodes of a group reach this node's engine; the engine binds only to it. None: this
+    machine's address on the route to the group's coordinator."""
+    peer_timeout: float = 5.0
+    """Seconds a node of a group may be silent (no heartbeat, no engine progress) before it is lost; a lost
+    node fails every collective of its group within twice this."""
+    heartbeat_interval: float = 1.0
+    """Seconds between a node daemon's heartbeats to the coordinator of each group it is in."""
 
 
 _FLAGS = {
@@ -77,6 +85,12 @@ _FLAGS = {
     "max_inflight_bytes": (int, "bytes of requests being served at once, at most; default 4294967296 (4 GiB)"),
     "max_collectives": (int, "multi-process collectives waiting at once, at most; default 1024"),
     "metrics_listen": (str, "host:port to serve Prometheus metrics on; default off"),
+    "node_address": (str, "groups across nodes: this node's address as the other nodes reach it; the "
+                     "engine (Gloo) binds only to it; default: the address on the route to the coordinator"),
+    "peer_timeout": (float, "groups across nodes: seconds a silent node is lost after; collectives fail "
+                     "within twice this; default 5"),
+    "heartbeat_interval": (float, "groups across nodes: seconds between heartbeats to the coordinator; "
+                           "default 1"),
 }
 
 
@@ -160,6 +174,9 @@ def check(config: Config) -> Config:
                          + ("--tls-cert" if config.tls_cert else "--tls-key"))
     if config.tls_client_ca and not config.tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    if config.heartbeat_interval >= config.peer_timeout:
+        raise ValueError(f"--heartbeat-interval ({config.heartbeat_interval}) must be shorter than --peer-timeout "
+                         f"({config.peer_timeout}): a node would be lost between two heartbeats")
     return config
 
 
@@ -183,12 +200,14 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be a number of seconds in [0, 3600]; got {value}")
     elif field == "collective_timeout" and not 0 < value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in (0, 86400]; got {value}")
+    elif field in ("peer_timeout", "heartbeat_interval") and not 0 < value <= 3600:
+        raise ValueError(f"{source} must be a number of seconds in (0, 3600]; got {value}")
     elif field == "stall_warning_seconds" and not 0 <= value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in [0, 86400] (0: never); got {value}")
     elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives") and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "socket_group",
-                   "metrics_listen") and not value:
+                   "metrics_listen", "node_address") and not value:
         raise ValueError(f"{source} must not be empty; got {value!r}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")

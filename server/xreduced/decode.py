@@ -67,6 +67,10 @@ class Group:
     label: str
     num_processes: int
     process_id: int
+    sequence: int | None = None
+    """The collective's sequence number, or None for a named collective."""
+    epoch: int = 0
+    """The membership epoch the process joined (groups across nodes), else 0."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +122,11 @@ def collective(spec: pb.CollectiveSpec) -> Group:
         )
     if spec.sequence < 0:
         raise InvalidArgument(f"collective.sequence: must be >= 0; got {spec.sequence}")
+    if spec.epoch < 0:
+        raise InvalidArgument(f"collective.epoch: must be >= 0; got {spec.epoch}")
     key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
-    return Group(key, label(spec.group, spec.sequence, spec.name), spec.num_processes, spec.process_id)
+    return Group(key, label(spec.group, spec.sequence, spec.name), spec.num_processes, spec.process_id,
+                 None if spec.name else spec.sequence, spec.epoch)
 
 
 def op(value: int) -> str:

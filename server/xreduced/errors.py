@@ -102,3 +102,14 @@ class Unauthenticated(ServiceError):
     """
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(ServiceError):
+    """Something the call needs cannot be reached: a group's coordinator, a node of the group.
+
+    Example:
+        >>> Unavailable("cannot register with the coordinator at 10.0.0.1:1234").code.name
+        'UNAVAILABLE'
+    """
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -17,7 +17,11 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
 * ``xreduce_inflight_bytes`` (gauge): the estimated working sets of the calls being served
   (:func:`xreduced.admission.working_set`);
 * ``xreduce_collectives_waiting`` (gauge);
-* ``xreduce_limit_rejections_total{limit}``: calls refused by each limit.
+* ``xreduce_limit_rejections_total{limit}``: calls refused by each limit;
+* groups across nodes, per ``group``: ``xreduce_group_epoch``, ``xreduce_group_nodes``,
+  ``xreduce_group_failed`` (1 once the epoch has lost a peer or a process), ``xreduce_group_lost_peers``,
+  and ``xreduce_cross_node_collectives_total``, ``xreduce_cross_node_bytes_total`` (sent and received
+  through the engine), ``xreduce_cross_node_seconds_total``.
 
 The call pipeline (:mod:`xreduced.pipeline`) records every call here.
 """
@@ -36,6 +40,40 @@ REDUCTION_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025
 ALGBW_BUCKETS = (1e4, 1e5, 1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11, 2.5e11,
                  5e11, 1e12)
 """Bytes per second, 10 kB/s to 1 TB/s."""
+
+
+class _GroupCollector:
+    """Prometheus metrics of the groups across nodes, read when scraped."""
+
+    def __init__(self, groups: Callable[[], list]):
+        self._groups = groups
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        families = {
+            "epoch": GaugeMetricFamily("xreduce_group_epoch", "The group's membership epoch.", labels=["group"]),
+            "nodes": GaugeMetricFamily("xreduce_group_nodes", "Nodes in the group's epoch.", labels=["group"]),
+            "failed": GaugeMetricFamily("xreduce_group_failed", "1 once the epoch has lost a peer or a process.",
+                                        labels=["group"]),
+            "lost": GaugeMetricFamily("xreduce_group_lost_peers", "Peers the epoch lost.", labels=["group"]),
+            "collectives": CounterMetricFamily("xreduce_cross_node_collectives", "Collectives that crossed nodes.",
+                                               labels=["group"]),
+            "bytes": CounterMetricFamily("xreduce_cross_node_bytes", "Bytes this node sent and received through "
+                                         "the engine.", labels=["group"]),
+            "seconds": CounterMetricFamily("xreduce_cross_node_seconds", "Seconds spent crossing nodes.",
+                                           labels=["group"]),
+        }
+        for g in self._groups():
+            values = {"epoch": float(g.epoch), "nodes": len(g.nodes), "failed": int(g.state == "failed"),
+                      "lost": len(g.lost), "collectives": g.cross_node_collectives, "bytes": g.cross_node_bytes,
+                      "seconds": g.cross_node_seconds}
+            for key, family in families.items():
+                family.add_metric([g.group], values[key])
+        yield from families.values()
 
 
 class Stats:
@@ -79,6 +117,18 @@ class Stats:
                                 registry=r).set_function(inflight)
         prometheus_client.Gauge("xreduce_collectives_waiting", "Multi-process collectives waiting for "
                                 "participants now.", registry=r).set_function(collectives_waiting)
+
+    def watch_groups(self, groups: Callable[[], list]) -> None:
+        """Exports the groups across nodes that ``groups()`` returns (``GroupStatus`` messages) when scraped.
+
+        Example:
+            >>> from xreduce.v1 import xreduce_pb2 as pb
+            >>> s = Stats()
+            >>> s.watch_groups(lambda: [pb.GroupStatus(group="g@h:1", epoch=3, cross_node_bytes=64)])
+            >>> s.registry.get_sample_value("xreduce_group_epoch", {"group": "g@h:1"})
+            3.0
+        """
+        self.registry.register(_GroupCollector(groups))
 
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
         """Counts one finished call.

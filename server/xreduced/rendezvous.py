@@ -87,6 +87,19 @@ class _Collective:
     report_at: float = math.inf
     """When the next ``event=collective_waiting`` line is due (monotonic seconds); inf: none."""
     report_gap: float = 0.0
+    expected: frozenset[int] | None = None
+    """Who meets here, when not every process of the group."""
+
+    @property
+    def count(self) -> int:
+        """How many participants meet here."""
+        return len(self.expected) if self.expected is not None else self.num_processes
+
+    def missing(self) -> list[int]:
+        """Up to 11 participants not arrived yet, enough to name."""
+        if self.expected is None:
+            return missing_ids(self.num_processes, self.arrived)
+        return sorted(self.expected - set(self.arrived))[:11]
 
     def raise_error(self) -> None:
         """Raises a fresh copy of the error: one exception object raised in several
@@ -149,6 +162,7 @@ class Rendezvous:
         compute: Callable[[dict[int, Any]], Mapping[int, Any]],
         on_leave: Callable[[Callable[[], None]], Any] | None = None,
         remember_failure: bool = True,
+        expected: frozenset[int] | None = None,
     ) -> Any:
         """Contributes and waits (at most ``timeout`` s); returns this process's share.
 
@@ -164,6 +178,8 @@ class Rendezvous:
             on_leave: registers a function to call if this participant's call
                 ends before the collective completes (gRPC's ``add_callback``).
             remember_failure: keep a failure for late arrivals.
+            expected: the participants that meet here, when not all of
+                ``range(num_processes)`` (a group across nodes meets node by node).
 
         Raises:
             InvalidArgument: participants disagree, or ``compute`` says so.
@@ -178,7 +194,7 @@ class Rendezvous:
                 raise kind(message)
             c = self._open.get(key)
             if c is None:
-                c = self._open[key] = _Collective(label, num_processes, opened=now)
+                c = self._open[key] = _Collective(label, num_processes, opened=now, expected=expected)
                 if self._report_after > 0:
                     c.report_at = now + self._report_after
                     c.report_gap = _next_gap(self._report_after, self._report_after)
@@ -188,6 +204,10 @@ class Rendezvous:
                     f"process {process_id} says num_processes={num_processes} but process {first} said "
                     f"num_processes={c.num_processes} for {label}"), remember_failure)
                 c.raise_error()
+            if c.expected is not None and process_id not in c.expected:
+                raise InvalidArgument(
+                    f"process {process_id} is not one of this node's processes {sorted(c.expected)} for {label}; "
+                    "each process must call its own node's daemon (the one it joined the group through)")
             if process_id in c.arrived:
                 self._fail(key, c, InvalidArgument(
                     f"process {process_id} contributed twice to {label}; each process_id must be used by "
@@ -195,7 +215,7 @@ class Rendezvous:
                     "XREDUCE_GROUP"), remember_failure)
                 c.raise_error()
             c.arrived[process_id] = contribution
-            last = len(c.arrived) == num_processes
+            last = len(c.arrived) == c.count
             if last:
                 c.complete = True
                 del self._open[key]
@@ -224,7 +244,7 @@ class Rendezvous:
                 if not c.done.is_set() and not c.complete:
                     self._fail(key, c, DeadlineExceeded(
                         f"{label} timed out after {timeout:.3g}s waiting for process(es) "
-                        f"{_ids(missing_ids(num_processes, c.arrived))}; arrived: {_ids(sorted(c.arrived))}"),
+                        f"{_ids(c.missing())}; arrived: {_ids(sorted(c.arrived))}"),
                         remember_failure)
             # Everyone arrived and the last arrival is computing: its deadline bounds the work.
             if c.complete and not c.done.wait(max(timeout, 1.0)):
@@ -258,10 +278,10 @@ class Rendezvous:
                 c.report_at += c.report_gap
                 c.report_gap = _next_gap(self._report_after, c.report_gap)
             arrived = sorted(c.arrived)
-            missing = missing_ids(c.num_processes, c.arrived)
+            missing = c.missing()
         log.warning("event=collective_waiting group=%s collective=%s waited_s=%.1f num_processes=%d arrived=%s "
                     "missing=%s", json.dumps(key[0]), _ident(key), now - c.opened, c.num_processes,
-                    _log_ids(arrived, len(arrived)), _log_ids(missing, c.num_processes - len(arrived)))
+                    _log_ids(arrived, len(arrived)), _log_ids(missing, c.count - len(arrived)))
 
     def forget_failures(self, group: str) -> None:
         """Forgets the remembered failures of ``group``: a new job of that name starts afresh."""

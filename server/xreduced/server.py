@@ -144,6 +144,7 @@ class Daemon:
         self.service.regions.end_streams()
         stopped.wait()
         self.service.regions.close_all()
+        self.service.peers.close()
         if self.metrics is not None:
             self.metrics.stop()
         log.info("event=stopped")

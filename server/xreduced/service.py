@@ -11,6 +11,7 @@ the field and the values received.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -19,14 +20,15 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import codec
 from xreduce.wire.contract import METHOD_PREFIX
+from xreduce.wire.devices import DeviceName
 
-from xreduced import decode, planner, streaming
+from xreduced import decode, peers, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, reduce_together
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
 from xreduced.engine import Engine, Result, Value, check_destinations, result_dtype
-from xreduced.errors import Aborted, InvalidArgument, ServiceError
+from xreduced.errors import Aborted, InvalidArgument, NotFound, ServiceError
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
@@ -76,6 +78,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.regions = regions or RegionTable(ipc_opener=backend.open_ipc if backend.cuda_ipc else None,
                                               max_sessions=max(1, self.config.workers // 2))
         self.region_service = RegionService(self.regions)
+        self.peers = peers.Peers(self.config, [self.devices.name(i).short for i in range(len(self.devices))],
+                                 backend_name)
+        self.stats.watch_groups(self.peers.status)
 
     def ListDevices(self, request, context):
         """The daemon's devices, its backend and which devices reach which directly.
@@ -122,6 +127,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             tls=c.tls_cert is not None,
             mutual_tls=c.tls_client_ca is not None,
             token_auth=c.auth_token_file is not None,
+            groups=self.peers.status(),
         )
 
     def _device_messages(self) -> list[pb.Device]:
@@ -221,9 +227,15 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 array, source or 0, dests, deadline, out=decode.views(slots)))
         else:
             share = BroadcastShare(request.source_process, array, source, dests, out=decode.views(slots))
+            cluster = self._cluster(group)
+            if cluster is not None and cluster.spans_nodes:
+                def broadcast(shares):
+                    return peers.broadcast_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
+            else:
+                def broadcast(shares):
+                    return broadcast_together(self.engine, shares, group.label, deadline)
             result = self._meet(group, share, deadline, context, lambda shares: self._timed(
-                "Broadcast", _broadcast_bytes(shares),
-                lambda: broadcast_together(self.engine, shares, group.label, deadline)))
+                "Broadcast", _broadcast_bytes(shares), lambda: broadcast(shares)), cluster=cluster)
         encoding = codec.encoding_of(request.tensor) if request.HasField("tensor") else codec.RAW
         return pb.BroadcastResponse(result=self._encode(result, encoding, slots))
 
@@ -245,6 +257,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         deadline = self._deadline(request, context, group)
         devices = decode.devices(request.devices, "devices", self.devices)
         check_destinations(devices, "devices", self.engine.label)
+        if request.coordinator and group.num_processes > 1:
+            return self._join_across(request, devices, deadline)
         what = f'the join of group "{request.group}"'
         if group.num_processes == 1:
             assigned = {0: devices or tuple(range(len(self.devices)))}
@@ -261,6 +275,24 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             local_devices=names[group.process_id],
             global_devices=[n for pid in sorted(names) for n in names[pid]],
             processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
+        )
+
+    def _join_across(self, request, devices: tuple[int, ...], deadline: Deadline) -> pb.JoinGroupResponse:
+        """JoinGroup through the group's coordinator: its processes may be on several nodes."""
+        cluster = self.peers.join(request.group, request.num_processes, request.process_id, request.coordinator,
+                                  [self.devices.name(d).short for d in devices], max(deadline.remaining() or 0.0, 0.0))
+        self.rendezvous.forget_failures(cluster.gid)
+        names = {}
+        for node in cluster.nodes:
+            for p in node.processes:
+                names[p.process_id] = [_global_name(d, node.index, cluster.spans_nodes) for d in p.devices]
+        mine = next(p for p in cluster.nodes[cluster.node_index].processes if p.process_id == request.process_id)
+        return pb.JoinGroupResponse(
+            local_devices=[DeviceName.parse(d).canonical for d in mine.devices],
+            global_devices=[n for pid in sorted(names) for n in names[pid]],
+            processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
+            epoch=cluster.epoch, group=cluster.gid, nodes=cluster.nodes, node_index=cluster.node_index,
+            engine=cluster.engine.name if cluster.engine is not None else "",
         )
 
     def ReduceStream(self, request_iterator, context):
@@ -384,10 +416,34 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         share = Contribution(kind, op, options.num_packs, options.algorithm, options.reduce_to, tuple(resolved),
                              out=tuple(outs))
         deadline = options.deadline
-        return self._meet(group, share, deadline, context, lambda shares: self._timed(
-            kind, replica_bytes, lambda: reduce_together(self.engine, shares, group.label, deadline))), slots
+        cluster = self._cluster(group)
+        if cluster is not None and cluster.spans_nodes:
+            def reduce(shares):
+                return peers.reduce_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
+        else:
+            def reduce(shares):
+                return reduce_together(self.engine, shares, group.label, deadline)
+        return self._meet(group, share, deadline, context,
+                          lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster), slots
 
-    def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True):
+    def _cluster(self, group: decode.Group | None) -> peers.ClusterGroup | None:
+        """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""
+        if group is None:
+            return None
+        cluster = self.peers.lookup(group.key[0])
+        if cluster is None:
+            if group.epoch:
+                raise NotFound(f'collective.group: this daemon is in no group "{group.key[0]}" of epoch '
+                               f"{group.epoch} (it may have restarted); initialize again")
+            return None
+        cluster.check(group.epoch, group.label)
+        if cluster.spans_nodes and group.sequence is None:
+            raise InvalidArgument(f"collective.name: {group.label} is named, but collectives across nodes go in "
+                                  "sequence order: leave the name empty")
+        return cluster
+
+    def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,
+              cluster: peers.ClusterGroup | None = None):
         try:
             self.admission.collectives.enter(group.key, group.label)
         except LimitExceeded as e:
@@ -398,13 +454,24 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             return self.rendezvous.run(
                 group.key, group.label, group.num_processes, group.process_id, share,
                 max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
+                expected=cluster.local if cluster is not None else None,
             )
+        except ServiceError as e:
+            if cluster is not None and cluster.spans_nodes and not cluster.entered(group.sequence):
+                # The other nodes would wait for this one in the engine: end the epoch for everyone.
+                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True)
+            raise
         finally:
             self.admission.collectives.leave(group.key)
 
     def _fail_for_others(self, group: decode.Group, error: Exception) -> None:
         self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(
             f"{group.label} was aborted: process {group.process_id}'s request was rejected: {error}"))
+        with contextlib.suppress(ServiceError):
+            cluster = self._cluster(group)
+            if cluster is not None and cluster.spans_nodes:
+                cluster.fail(f"{group.label} failed: process {group.process_id}'s request was rejected: {error}",
+                             report=True, process_ids=[group.process_id])
 
     def _timed(self, kind: str, replica_bytes: int, reduce):
         """Runs ``reduce()`` and records its seconds and algbw under method ``kind``."""
@@ -443,6 +510,19 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 dtype=codec.dtype_enum(slot.view.dtype), shape=slot.view.shape,
                 region=pb.RegionSlice(name=slot.region, offset=slot.offset, byte_size=slot.view.nbytes))))
         return pb.DistributedValue(components=components)
+
+
+def _global_name(short: str, node: int, across: bool) -> str:
+    """A device's name in a group's global list: ``/job:worker/replica:0/task:<node>/...`` across nodes.
+
+    Example:
+        >>> _global_name("CPU:1", 1, True), _global_name("CPU:1", 0, False)[-5:]
+        ('/job:worker/replica:0/task:1/device:CPU:1', 'CPU:1')
+    """
+    name = DeviceName.parse(short)
+    if across:
+        name = dataclasses.replace(name, job="worker", task=node)
+    return name.canonical
 
 
 def _regions() -> CallRegions | None:
