@@ -9,9 +9,12 @@ three systems all-reduce the same values, one after the other:
   contiguous per node, the TCP store on node 1: a job without a node level;
 - ``leader gloo``: gloo among one process per node: only what must cross the
   links (from 2 nodes);
-- ``xreduce``: one ``xreduced --listen 10.0.0.k:PORT --virtual-devices P
+- ``xreduce``: one ``xreduced --listen 127.0.0.1:PORT --virtual-devices P
   --node-address 10.0.0.k`` per node; P processes per node, each driving one
-  device of its node's daemon (``XREDUCE_ADDRESS``), call
+  device of its node's daemon (``XREDUCE_ADDRESS``, the node's own loopback,
+  as a deployment has it: the daemon lends shared memory to callers on
+  loopback or a unix socket only, and the nodes reach each other on
+  ``--node-address``), call
   ``xreduce.distribution.initialize`` with the coordinator on node 1
   (``KERAS_DISTRIBUTION_JOB_ADDRESSES``), then
   ``HierarchicalCopyAllReduce().batch_reduce``.
@@ -114,8 +117,8 @@ def _run_gloo(system: SystemResult, nodes: Nodes, placement: list[Node], port: i
     env = {"XREDUCE_BENCH_STORE": f"tcp://{nodes[1].address}:{port}", "GLOO_SOCKET_IFNAME": INTERFACE}
     envs = [{**node.env(), **env} for node in placement]
     per_node = len(placement) // len(nodes)
-    system.about = (f"torch {torch.__version__}, {len(placement)} processes ({per_node} per node, ranks contiguous "
-                    f"per node), TCP store on node 1, sockets on {INTERFACE}")
+    system.about = (f"torch {torch.__version__}, {report.count(len(placement), 'process')} ({per_node} per node, "
+                    f"ranks contiguous per node), TCP store on node 1, sockets on {INTERFACE}")
     reporter = _NodesReporter(sweep, setting, progress, out)
     reporter.header(system)
     with _spawn_in_nodes(nodes):
@@ -124,7 +127,7 @@ def _run_gloo(system: SystemResult, nodes: Nodes, placement: list[Node], port: i
 
 @contextlib.contextmanager
 def _daemons(nodes: Nodes, per_node: int, tmp: str, timeout: float) -> Iterator[list[str]]:
-    """An ``xreduced`` on every node, listening on its node's address; yields their addresses."""
+    """An ``xreduced`` on every node, listening on the node's loopback; yields their addresses, node by node."""
     procs, logs = [], []
     env = {**os.environ, "PYTHONPATH": _python_path(), "PYTHONUNBUFFERED": "1"}
     try:
@@ -132,7 +135,7 @@ def _daemons(nodes: Nodes, per_node: int, tmp: str, timeout: float) -> Iterator[
             log = os.path.join(tmp, f"xreduced-{node.index}.log")
             logs.append(log)
             with open(log, "w") as f:
-                procs.append(node.popen([sys.executable, "-m", "xreduced", "--listen", f"{node.address}:{DAEMON_PORT}",
+                procs.append(node.popen([sys.executable, "-m", "xreduced", "--listen", f"127.0.0.1:{DAEMON_PORT}",
                                          "--virtual-devices", str(per_node), "--node-address", node.address],
                                         stdout=subprocess.DEVNULL, stderr=f, env=env))
         deadline = time.monotonic() + timeout
@@ -147,7 +150,7 @@ def _daemons(nodes: Nodes, per_node: int, tmp: str, timeout: float) -> Iterator[
                     last = "\n".join(text.strip().splitlines()[-5:])  # argparse's usage would bury the error
                     raise BenchError(f"the daemon of node {node.index} {why}:\n{last}")
                 time.sleep(0.05)
-        yield [f"{node.address}:{DAEMON_PORT}" for node in nodes]
+        yield [f"127.0.0.1:{DAEMON_PORT}" for _ in nodes]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -184,9 +187,10 @@ def _run_xreduce(system: SystemResult, nodes: Nodes, per_node: int, tmp: str, ar
         envs = [{**node.env(), "XREDUCE_ADDRESS": addresses[node.index - 1], "XREDUCE_TRANSPORT": "auto",
                  "XREDUCE_GROUP": group, "XREDUCE_LOCAL_DEVICES": devices[rank][0],
                  "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator} for rank, node in enumerate(placement)]
-        system.about = (f"xreduce {xreduce.__version__}, an xreduced per node ({per_node} devices, "
-                        f"--node-address 10.0.0.k), {len(placement)} processes of one device each, coordinator "
-                        f"{coordinator}, HierarchicalCopyAllReduce().batch_reduce")
+        system.about = (f"an xreduced per node ({report.count(per_node, 'device')}, --listen 127.0.0.1:{DAEMON_PORT}, "
+                        f"--node-address 10.0.0.k), {report.count(len(placement), 'process')} of one device each, "
+                        "transport auto, "
+                        f"coordinator {coordinator}, HierarchicalCopyAllReduce().batch_reduce")
         reporter.header(system)
         with _spawn_in_nodes(nodes):
             _run_pool(system, _xreduce_start, spec, len(placement), envs, sweep, reporter)
@@ -319,7 +323,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
     progress = Progress(steps, sys.stderr, args.progress or sys.stderr.isatty())
     redop = f"{args.dtype}, {args.reduce_op}"
     print(f"# xreduce bench --nodes: all_reduce, {redop}; {', '.join(human_size(s) for s in args.size)} per process; "
-          f"nodes {','.join(map(str, args.nodes))} x {args.procs_per_node} processes; links "
+          f"nodes {','.join(map(str, args.nodes))} x {report.count(args.procs_per_node, 'process')}; links "
           f"{', '.join(s or 'unshaped' for s in args.shape)}; {args.iters} iterations after {args.warmup} warm-up",
           file=out)
     print("# nodes: network namespaces on one bridge, node k at 10.0.0.k; a shaped link has tc tbf on both ends",

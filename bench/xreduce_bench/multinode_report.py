@@ -28,6 +28,16 @@ TABLE_HEADER = (f"#{'size(B)':>11} {'count':>12} {'type':>9} {'redop':>6} {'time
                 f"{'busbw(GB/s)':>12} {'link%':>6} {'#wrong':>7}")
 
 
+def count(n: int, noun: str) -> str:
+    """``n noun``, the noun in the plural unless n is 1 (``process`` takes ``es``).
+
+    Example:
+        >>> count(1, "node"), count(3, "node"), count(2, "process")
+        ('1 node', '3 nodes', '2 processes')
+    """
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 @dataclasses.dataclass
 class Setting:
     """One node count and link shape of a run, and what each system measured there.
@@ -64,8 +74,7 @@ class Setting:
     @property
     def title(self) -> str:
         """What heads this setting's tables."""
-        node = "node" if self.nodes == 1 else "nodes"
-        return f"{self.nodes} {node} x {self.procs_per_node} processes, links: {self.links}"
+        return f"{count(self.nodes, 'node')} x {count(self.procs_per_node, 'process')}, links: {self.links}"
 
     def system(self, name: str) -> SystemResult | None:
         """The system called ``name`` when it measured something, else None."""
@@ -206,7 +215,8 @@ def targets(settings: Sequence[Setting], dtype: str) -> list[dict[str, Any]]:
             if theirs is None:
                 continue
             ratio = mine.time / theirs.time
-            what = f"{s.nodes} nodes x {s.procs_per_node} processes x 64 MiB float32 all-reduce, links {s.links}"
+            what = (f"{count(s.nodes, 'node')} x {count(s.procs_per_node, 'process')} x 64 MiB float32 all-reduce, "
+                    f"links {s.links}")
             text = (f"{what}: xreduce {mine.time:.3f} s, {peer} {theirs.time:.3f} s, ratio {ratio:.2f} "
                     f"(target <= {bound:g}): {'met' if ratio <= bound else 'not met'}")
             checks.append({"what": what, "nodes": s.nodes, "shape": s.shape, "peer": peer, "xreduce_s": mine.time,

@@ -328,7 +328,9 @@ class Nodes:
         for name in names:  # every namespace first: a sweep tells a live run's veths by them
             _run(["ip", "netns", "add", name])
             self._made.append(name)
-        hosts = "127.0.0.1\tlocalhost\n" + "".join(f"{self.subnet}.{k}\tnode{k}\n" for k in range(1, self.count + 1))
+        # IPv4-mapped lines too: torch's store listens on IPv6 and looks its clients up in that form
+        hosts = "127.0.0.1\tlocalhost\n::1\tlocalhost\n" + "".join(
+            f"{self.subnet}.{k}\tnode{k}\n::ffff:{self.subnet}.{k}\tnode{k}\n" for k in range(1, self.count + 1))
         for name in names[1:]:
             os.makedirs(os.path.join(ETC_NETNS, name))
             with open(os.path.join(ETC_NETNS, name, "hosts"), "w") as f:
