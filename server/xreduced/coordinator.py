@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -53,6 +54,8 @@ class _Epoch:
     node_of: dict[str, int]  # node_id -> index
     engine: str
     last_beat: dict[int, float]
+    """Node index -> when it last beat; a node is watched from its first beat on (connecting the engine
+    comes first, and is bounded by its own timeout)."""
     ok: bool = True
     reason: str = ""
     lost: list[pb.LostPeer] = dataclasses.field(default_factory=list)
@@ -194,9 +197,7 @@ class Coordinator:
                     "pip install 'xreduce[cluster]' (torch) on every node")
             engine = "gloo"
         group.last_epoch += 1
-        now = time.monotonic()
-        epoch = _Epoch(group.last_epoch, nodes, {n.node_id: n.index for n in nodes}, engine,
-                       {n.index: now for n in nodes})
+        epoch = _Epoch(group.last_epoch, nodes, {n.node_id: n.index for n in nodes}, engine, {})
         log.info("event=epoch_formed group=%s epoch=%d nodes=%d processes=%d engine=%s", group.name,
                  epoch.number, len(nodes), group.num_processes, engine or "none")
         return epoch
@@ -210,6 +211,33 @@ class Coordinator:
             if current is not None and current.ok and node_id in current.node_of:
                 current.last_beat[current.node_of[node_id]] = time.monotonic()
             return self._state(group, current, epoch)
+
+    def attend(self, gid: str, epoch: int, node_id: str, active) -> Iterator[pb.EpochState]:
+        """The epoch's state now, then once more when it ends; while ``active()`` (the stream is open).
+
+        A stream that closes while the epoch stands (``left``) means the node's daemon is gone.
+        """
+        with self._lock:
+            group, current = self._epoch(gid, epoch)
+            yield self._state(group, current, epoch)
+            while current is not None and current.ok and active() and not self._closed.is_set():
+                self._lock.wait(self.heartbeat_interval)
+            if current is not None and not current.ok:
+                state = self._state(group, current, epoch)
+            else:
+                return
+        yield state
+
+    def left(self, gid: str, epoch: int, node_id: str) -> None:
+        """A node's attendance stream closed: if its epoch still stands, the node is lost."""
+        with self._lock:
+            _, current = self._epoch(gid, epoch)
+            if current is None or not current.ok or node_id not in current.node_of:
+                return
+            node = current.nodes[current.node_of[node_id]]
+            reason = "its daemon's connection to the coordinator closed (the daemon stopped or died)"
+            self._end(current, f"lost node {node.index} ({node.address}, processes "
+                      f"{[p.process_id for p in node.processes]}): {reason}", [_lost(node, reason)])
 
     def report_failure(self, gid: str, epoch: int, node_id: str, reason: str,
                        process_ids: list[int]) -> pb.EpochState:
@@ -374,6 +402,19 @@ class PeersService(pb_grpc.PeersServicer):
     def Heartbeat(self, request, context):
         return pb.HeartbeatResponse(state=self.coordinator.heartbeat(request.group, request.epoch, request.node_id))
 
+    def Attend(self, request, context):
+        left = threading.Event()
+
+        def gone():
+            left.set()
+            self.coordinator.left(request.group, request.epoch, request.node_id)
+
+        context.add_callback(gone)
+        for state in self.coordinator.attend(request.group, request.epoch, request.node_id,
+                                             lambda: not left.is_set() and context.is_active()):
+            yield pb.AttendResponse(state=state)
+        left.set()  # the epoch ended first: the stream closing now is no loss
+
     def ReportFailure(self, request, context):
         return pb.ReportFailureResponse(state=self.coordinator.report_failure(
             request.group, request.epoch, request.node_id, request.reason, list(request.process_ids)))
@@ -434,7 +475,7 @@ class CoordinatorServer:
         self.address = address
         self.coordinator = coordinator
         check = security.token_check(config)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="xreduced-peers"),
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128, thread_name_prefix="xreduced-peers"),
                                    interceptors=[_TokenGate(check)] if check is not None else [],
                                    options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_PeersServicer_to_server(PeersService(coordinator, config.collective_timeout), self._server)

@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
@@ -150,12 +151,13 @@ class ClusterGroup:
         engine: the engine among the nodes, or None for a group on one node.
         beat: sends one heartbeat; returns the coordinator's :class:`pb.EpochState`.
         report: ends the epoch at the coordinator: ``report(reason, process_ids)``.
+        attend: opens the attendance stream (``Peers.Attend``): the epoch's end arrives on it at once.
     """
 
     def __init__(self, gid: str, num_processes: int, epoch: int, node_index: int, nodes: list[pb.ClusterNode],
                  engine: gloo.GlooEngine | None, coordinator: str, beat: Callable[[], pb.EpochState],
                  report: Callable[[str, list[int]], None], peer_timeout: float, heartbeat_interval: float,
-                 hosted: bool):
+                 hosted: bool, attend: Callable[[], Any] | None = None):
         self.gid, self.num_processes, self.epoch = gid, num_processes, epoch
         self.node_index, self.nodes = node_index, nodes
         self.engine = engine
@@ -175,6 +177,9 @@ class ClusterGroup:
         self._closed = threading.Event()
         self._heart = threading.Thread(target=self._heartbeats, name="xreduced-heartbeat", daemon=True)
         self._heart.start()
+        self._stream = attend() if attend is not None and len(nodes) > 1 else None
+        if self._stream is not None:
+            threading.Thread(target=self._attend, name="xreduced-attend", daemon=True).start()
 
     @property
     def spans_nodes(self) -> bool:
@@ -236,9 +241,20 @@ class ClusterGroup:
             if not state.ok:
                 self.fail(state.reason or f"epoch {self.epoch} is over", list(state.lost))
 
+    def _attend(self) -> None:
+        try:
+            for reply in self._stream:
+                if not reply.state.ok:
+                    self.fail(reply.state.reason or f"epoch {self.epoch} is over", list(reply.state.lost))
+                    return
+        except grpc.RpcError:
+            pass  # closed here, or the coordinator is gone: the heartbeats tell which, within the peer timeout
+
     def close(self) -> None:
-        """Stops the heartbeats and the engine; waits for nothing."""
+        """Stops the heartbeats, the attendance stream and the engine; waits for nothing."""
         self._closed.set()
+        if self._stream is not None:
+            self._stream.cancel()
         if self.engine is not None:
             self.engine.close()
         self._lane.shutdown(wait=False, cancel_futures=True)
@@ -599,10 +615,13 @@ class Peers:
                                                        process_ids=process_ids),
                                timeout=max(reply.heartbeat_interval_seconds, 0.5), metadata=self._metadata)
 
+        def attend():
+            return stub.Attend(pb.AttendRequest(group=gid, epoch=epoch, node_id=self.node_id), metadata=self._metadata)
+
         count = sum(len(n.processes) for n in nodes)
         cluster = ClusterGroup(gid, count, epoch, index, nodes, engine, coordinator, beat, report,
                                reply.peer_timeout_seconds, reply.heartbeat_interval_seconds,
-                               hosted=coordinator in self._servers)
+                               hosted=coordinator in self._servers, attend=attend)
         with self._lock:
             self._groups[gid] = cluster
         log.info("event=group_joined group=%s epoch=%d node=%d nodes=%d engine=%s", gid, epoch, index, len(nodes),

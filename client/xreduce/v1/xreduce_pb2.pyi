@@ -619,6 +619,22 @@ class EpochState(_message.Message):
     reason: str
     def __init__(self, ok: _Optional[bool] = ..., epoch: _Optional[int] = ..., lost: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class AttendRequest(_message.Message):
+    __slots__ = ("group", "epoch", "node_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    node_id: str
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: EpochState
+    def __init__(self, state: _Optional[_Union[EpochState, _Mapping]] = ...) -> None: ...
+
 class ReportFailureRequest(_message.Message):
     __slots__ = ("group", "epoch", "node_id", "reason", "process_ids")
     GROUP_FIELD_NUMBER: _ClassVar[int]

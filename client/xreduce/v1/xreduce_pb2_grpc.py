@@ -581,6 +581,11 @@ class PeersStub:
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Attend = channel.unary_stream(
+                '/xreduce.v1.Peers/Attend',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.AttendRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.AttendResponse.FromString,
+                _registered_method=True)
         self.ReportFailure = channel.unary_unary(
                 '/xreduce.v1.Peers/ReportFailure',
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.ReportFailureRequest.SerializeToString,
@@ -626,6 +631,15 @@ class PeersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attend(self, request, context):
+        """A node daemon attends an epoch: the stream stays open while the epoch
+        stands and carries its end at once; a stream that breaks (the daemon died)
+        ends the epoch, naming the node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportFailure(self, request, context):
         """A node daemon ends its epoch: a process left, the engine failed.
         """
@@ -664,6 +678,11 @@ def add_PeersServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.FromString,
                     response_serializer=xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Attend': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attend,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.AttendRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.AttendResponse.SerializeToString,
             ),
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
@@ -745,6 +764,33 @@ class Peers:
             '/xreduce.v1.Peers/Heartbeat',
             xreduce_dot_v1_dot_xreduce__pb2.HeartbeatRequest.SerializeToString,
             xreduce_dot_v1_dot_xreduce__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xreduce.v1.Peers/Attend',
+            xreduce_dot_v1_dot_xreduce__pb2.AttendRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.AttendResponse.FromString,
             options,
             channel_credentials,
             insecure,
