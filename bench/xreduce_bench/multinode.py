@@ -58,6 +58,7 @@ DAEMON_PORT = 50551
 COORDINATOR_PORT = 50552
 STORE_PORT = 29500
 """Fixed ports are safe: every setting's namespaces are new, so nothing else listens in them."""
+_LOG_TAIL = 8
 DEFAULT_PROCS_PER_NODE = 4
 DEFAULT_SIZE = 64 << 20
 DEFAULT_ITERS = 5
@@ -150,7 +151,15 @@ def _daemons(nodes: Nodes, per_node: int, tmp: str, timeout: float) -> Iterator[
                     last = "\n".join(text.strip().splitlines()[-5:])  # argparse's usage would bury the error
                     raise BenchError(f"the daemon of node {node.index} {why}:\n{last}")
                 time.sleep(0.05)
-        yield [f"127.0.0.1:{DAEMON_PORT}" for _ in nodes]
+        try:
+            yield [f"127.0.0.1:{DAEMON_PORT}" for _ in nodes]
+        except BenchError as e:  # the daemons' logs go with the run's temporary folder: keep their last words
+            tails = []
+            for node, log in zip(nodes, logs):
+                with open(log) as f:
+                    lines = f.read().strip().splitlines()[-_LOG_TAIL:]
+                tails.append(f"the daemon of node {node.index}, its log's last lines:\n" + "\n".join(lines))
+            raise BenchError("\n".join([str(e), *tails])) from None
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -189,8 +198,7 @@ def _run_xreduce(system: SystemResult, nodes: Nodes, per_node: int, tmp: str, ar
                  "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator} for rank, node in enumerate(placement)]
         system.about = (f"an xreduced per node ({report.count(per_node, 'device')}, --listen 127.0.0.1:{DAEMON_PORT}, "
                         f"--node-address 10.0.0.k), {report.count(len(placement), 'process')} of one device each, "
-                        "transport auto, "
-                        f"coordinator {coordinator}, HierarchicalCopyAllReduce().batch_reduce")
+                        f"transport auto, coordinator {coordinator}, HierarchicalCopyAllReduce().batch_reduce")
         reporter.header(system)
         with _spawn_in_nodes(nodes):
             _run_pool(system, _xreduce_start, spec, len(placement), envs, sweep, reporter)
