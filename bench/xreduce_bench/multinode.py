@@ -180,6 +180,24 @@ def _device_names(node: Node, address: str, timeout: float) -> list[str]:
     return done.stdout.split()
 
 
+def _engine_use(node: Node, address: str, group: str, timeout: float) -> str:
+    """What the daemon at ``address`` says its node spent crossing nodes for ``group`` (``GetStatus``), in words."""
+    code = ("import sys, xreduce\n"
+            "with xreduce.Client(sys.argv[1], timeout=float(sys.argv[2])) as c:\n"
+            "    for g in c.get_status().groups:\n"
+            "        if g.group.split('@')[0] == sys.argv[3]:\n"
+            "            print(g.cross_node_collectives, g.cross_node_bytes, g.cross_node_seconds, g.engine)\n")
+    done = node.run([sys.executable, "-c", code, address, str(timeout), group], capture_output=True, text=True,
+                    timeout=timeout + 30, env={**os.environ, "PYTHONPATH": _python_path()})
+    fields = done.stdout.split()
+    if done.returncode != 0 or len(fields) != 4:
+        return f"node {node.index}: no status ({(done.stderr.strip().splitlines() or ['no such group'])[-1]})"
+    collectives, moved, seconds = int(fields[0]), int(fields[1]), float(fields[2])
+    each = f", {seconds / collectives * 1e3:.1f} ms each" if collectives else ""
+    return (f"node {node.index}: {collectives} collectives across nodes on {fields[3]}, {moved / (1 << 20):.1f} MiB "
+            f"sent and received, {seconds:.3f} s in the engine{each}")
+
+
 def _run_xreduce(system: SystemResult, nodes: Nodes, per_node: int, tmp: str, args: argparse.Namespace,
                  setting: report.Setting, progress: Progress, out: TextIO) -> None:
     placement = _placement(nodes, per_node)
@@ -202,6 +220,9 @@ def _run_xreduce(system: SystemResult, nodes: Nodes, per_node: int, tmp: str, ar
         reporter.header(system)
         with _spawn_in_nodes(nodes):
             _run_pool(system, _xreduce_start, spec, len(placement), envs, sweep, reporter)
+        if len(nodes) > 1:
+            reporter.line("# the daemons' GetStatus, warm-up included: " + "; ".join(
+                _engine_use(node, address, group, args.timeout) for node, address in zip(nodes, addresses)))
 
 
 def _run_setting(setting: report.Setting, args: argparse.Namespace, tmp: str, progress: Progress,
