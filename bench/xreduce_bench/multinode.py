@@ -194,8 +194,8 @@ def _engine_use(node: Node, address: str, group: str, timeout: float) -> str:
         return f"node {node.index}: no status ({(done.stderr.strip().splitlines() or ['no such group'])[-1]})"
     collectives, moved, seconds = int(fields[0]), int(fields[1]), float(fields[2])
     each = f", {seconds / collectives * 1e3:.1f} ms each" if collectives else ""
-    return (f"node {node.index}: {collectives} collectives across nodes on {fields[3]}, {moved / (1 << 20):.1f} MiB "
-            f"sent and received, {seconds:.3f} s in the engine{each}")
+    return (f"node {node.index}: {report.count(collectives, 'collective')} across nodes on {fields[3]}, "
+            f"{moved / (1 << 20):.1f} MiB sent and received, {seconds:.3f} s in the engine{each}")
 
 
 def _run_xreduce(system: SystemResult, nodes: Nodes, per_node: int, tmp: str, args: argparse.Namespace,

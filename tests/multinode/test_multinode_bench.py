@@ -109,6 +109,9 @@ def test_one_and_two_shaped_nodes_run_the_three_systems_and_print_the_tables(tmp
         assert busbw == pytest.approx(algbw, rel=2e-3)  # 2(N-1)/N = 1 for two nodes
         assert float(row["link%"]) == pytest.approx(busbw * 8 * 100, rel=2e-2)  # of 1 Gbit/s
     assert rows(two["xreduce"])[0]["#wrong"] == "0"  # every element of every process's result checked
+    (engine,) = [line for line in two["xreduce"] if line.startswith("# the daemons' GetStatus")]
+    assert re.match(r"# the daemons' GetStatus, warm-up included: node 1: 1 collective across nodes on gloo, "
+                    r"0\.1 MiB sent and received, \S+ s in the engine, \S+ ms each; node 2: 1 collective", engine)
     assert two["ratios"][1].split() == ["#", "size(B)", "xreduce/flat", "gloo", "xreduce/leader", "gloo"]
     assert two["ratios"][2].split()[0] == "65536"
 
