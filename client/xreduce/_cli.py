@@ -2,7 +2,7 @@
 
 ``xreduce plan`` prints the plan the daemon would run, step by step (it runs
 ``xreduced plan``: the planner is the daemon's);
-``xreduce status`` shows a running daemon's devices, limits and counters;
+``xreduce status`` shows a running daemon's devices, limits, counters and groups across nodes;
 ``xreduce bench`` sweeps a collective over sizes, nccl-tests style, against peers.
 """
 
@@ -54,6 +54,62 @@ def human_seconds(seconds: float) -> str:
     return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
+def _short(name: str) -> str:
+    """``CPU:0`` of a canonical device name (the name itself if it has no device part)."""
+    return name.rsplit("device:", 1)[-1]
+
+
+def describe_groups(groups) -> list[str]:
+    """``xreduce status``'s lines for the ``GroupStatus`` list of a ``GetStatusResponse``; none without groups.
+
+    Example:
+        >>> from xreduce.v1 import xreduce_pb2 as pb
+        >>> node = lambda i, host, pid: pb.ClusterNode(index=i, address=host, backend="numpy", processes=[
+        ...     pb.ProcessDevices(process_id=pid, devices=["/job:worker/replica:0/task:0/device:CPU:0"])])
+        >>> group = pb.GroupStatus(
+        ...     group="default@10.0.0.1:1234", epoch=2, state="failed", num_processes=2, node_index=0,
+        ...     nodes=[node(0, "10.0.0.1", 0), node(1, "10.0.0.2", 1)], engine="gloo", coordinator=True,
+        ...     cross_node_collectives=12, cross_node_bytes=3 << 20, cross_node_seconds=0.25,
+        ...     lost=[pb.LostPeer(node_index=1, address="10.0.0.2", process_ids=[1], reason="no heartbeat for 5.0 s")],
+        ...     reason="node 1 (10.0.0.2) was lost")
+        >>> for line in describe_groups([group]):
+        ...     print(line)
+        groups across nodes (1)
+          default@10.0.0.1:1234  epoch 2  failed
+            processes    2 on 2 nodes, this daemon is node 0 (the coordinator)
+            engine       gloo
+            node 0       10.0.0.1  numpy  process 0 [CPU:0]
+            node 1       10.0.0.2  numpy  process 1 [CPU:0]
+            cross-node   12 collectives, 3 MiB, 0.25s in the engine
+            lost         node 1 at 10.0.0.2, processes [1]: no heartbeat for 5.0 s
+            reason       node 1 (10.0.0.2) was lost
+        >>> describe_groups([])
+        []
+    """
+    if not groups:
+        return []
+    lines = [f"groups across nodes ({len(groups)})"]
+    for g in groups:
+        role = " (the coordinator)" if g.coordinator else ""
+        lines += [
+            f"  {g.group}  epoch {g.epoch}  {g.state}",
+            f"    processes    {g.num_processes} on {len(g.nodes)} nodes, this daemon is node {g.node_index}{role}",
+            f"    engine       {g.engine or 'none'}",
+        ]
+        for n in g.nodes:
+            procs = ", ".join(f"{p.process_id} [{', '.join(_short(d) for d in p.devices)}]" for p in n.processes)
+            word = "process" if len(n.processes) == 1 else "processes"
+            lines.append(f"    {f'node {n.index}':<12} {n.address}  {n.backend}  {word} {procs}".rstrip())
+        lines.append(f"    cross-node   {g.cross_node_collectives} collectives, {human_bytes(g.cross_node_bytes)}, "
+                     f"{g.cross_node_seconds:.3g}s in the engine")
+        for lost in g.lost:
+            lines.append(f"    lost         node {lost.node_index} at {lost.address}, processes "
+                         f"{list(lost.process_ids)}: {lost.reason}")
+        if g.reason:
+            lines.append(f"    reason       {g.reason}")
+    return lines
+
+
 def describe_status(status, address: str) -> str:
     """``xreduce status``'s text for a ``GetStatusResponse``."""
     security = ", ".join(
@@ -85,6 +141,8 @@ def describe_status(status, address: str) -> str:
         f"  collectives waiting  {status.collectives_waiting}",
         "",
     ]
+    groups = describe_groups(status.groups)
+    lines += [*groups, ""] if groups else []
     if not status.methods:
         lines.append("calls: none yet")
         return "\n".join(lines)
@@ -186,8 +244,9 @@ def _command(argv: Sequence[str]) -> int:
     sub.add_parser("plan", help="print the reduction plan for a value, step by step (runs `xreduced plan`; "
                    "see `xreduce plan --help`)", add_help=False)
     status = sub.add_parser(
-        "status", help="show a running daemon's devices, limits and counters",
-        description="Shows a running daemon's devices, limits and counters (its GetStatus). The daemon is "
+        "status", help="show a running daemon's devices, limits, counters and groups across nodes",
+        description="Shows a running daemon's devices, limits, counters and groups across nodes (its "
+        "GetStatus). The daemon is "
         f"--address, else XREDUCE_ADDRESS, else {DEFAULT_ADDRESS}; the token comes from XREDUCE_TOKEN and TLS "
         "from the XREDUCE_TLS_* variables, as for the SDK. Exits 1 when the daemon cannot be reached.")
     status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")

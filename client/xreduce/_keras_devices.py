@@ -62,6 +62,33 @@ def _select(by_type: dict[str, list[str]], device_type: Any, address: str) -> li
     return list(by_type[kind])
 
 
+def keras_names(names: Sequence[str]) -> list[str]:
+    """Canonical device names in the keras form, unique across the nodes of a group.
+
+    Names of one task keep their index, ``gpu:3``; a list whose names span
+    several tasks (a group across nodes, task ``T`` being node ``T``) numbers
+    each device type by its position in the list, as JAX numbers its global
+    devices, so that no two nodes' devices share a name.
+
+    Example:
+        >>> keras_names(["/job:localhost/replica:0/task:0/device:CPU:2", "/device:GPU:0"])
+        ['cpu:2', 'gpu:0']
+        >>> keras_names(["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:1",
+        ...              "/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:1"])
+        ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
+    """
+    parsed = [DeviceName.parse(n) for n in names]
+    if len({d.task for d in parsed}) <= 1:
+        return [d.keras for d in parsed]
+    seen: dict[str, int] = {}
+    out = []
+    for d in parsed:
+        kind = d.device_type.lower()
+        out.append(f"{kind}:{seen.get(kind, 0)}")
+        seen[kind] = seen.get(kind, 0) + 1
+    return out
+
+
 def list_devices(device_type: str | None = None) -> list[str]:
     """The daemon's devices in the keras form, ``["gpu:0", "gpu:1", ...]``.
 
@@ -72,7 +99,9 @@ def list_devices(device_type: str | None = None) -> list[str]:
     Returns:
         The devices of that type, in the daemon's order. After a multi-process
         :func:`initialize`, the global list: every process's devices, process
-        0's first, the same in every process.
+        0's first, the same in every process; across nodes, numbered by their
+        place in that list (:func:`keras_names`): with 4 CPU devices per node,
+        node 1's are ``cpu:4`` to ``cpu:7``.
 
     Raises:
         ValueError: the daemon has no device of ``device_type`` (the message
@@ -89,8 +118,7 @@ def list_devices(device_type: str | None = None) -> list[str]:
         group = process_group(client.address)
         if group is not None:
             by_type: dict[str, list[str]] = {}
-            for name in group.global_devices:
-                keras = DeviceName.parse(name).keras
+            for keras in keras_names(group.global_devices):
                 by_type.setdefault(keras.split(":")[0], []).append(keras)
             return _select(by_type, device_type, client.address)
         return _select(_devices_by_type(client), device_type, client.address)
@@ -125,13 +153,27 @@ class ProcessInfo:
         daemon_address: the xreduce daemon this process checked at initialization.
         devices: the job's devices, keras form: the daemon's, or with several
             processes every process's devices, process 0's first.
-        local_devices: this process's devices, keras form.
-        group: the multi-process group's name, or None for one process.
+        local_devices: this process's devices, keras form (their names in ``devices``).
+        group: the group id every collective names, or None for one process:
+            ``XREDUCE_GROUP`` (default ``default``), and with job addresses the
+            coordinator's too, e.g. ``default@10.0.0.1:1234``.
+        node_index: this process's node (its daemon) in the group; node 0
+            hosts process 0, the others follow in the order of their lowest
+            process id. 0 without job addresses.
+        num_nodes: the node daemons the group spans; 1 without job addresses.
+        epoch: the group's membership epoch, 0 without job addresses. A new
+            :func:`initialize` after a lost node forms a new epoch.
+        engine: what carries bytes between nodes, ``"gloo"``; empty within a node.
 
     Example:
         >>> info = ProcessInfo(process_id=1, num_processes=2, job_addresses=("10.0.0.1:1234", "10.0.0.2:2345"))
-        >>> info.coordinator_address, info.is_multi_process
-        ('10.0.0.1:1234', True)
+        >>> info.coordinator_address, info.is_multi_process, info.is_multi_node
+        ('10.0.0.1:1234', True, False)
+        >>> two = ProcessInfo(1, 2, ("10.0.0.1:1234", "10.0.0.2:2345"), "127.0.0.1:50551",
+        ...                   ("cpu:0", "cpu:1", "cpu:2", "cpu:3"), ("cpu:2", "cpu:3"), "default@10.0.0.1:1234",
+        ...                   node_index=1, num_nodes=2, epoch=1, engine="gloo")
+        >>> two.is_multi_node, two.local_devices, two.engine
+        (True, ('cpu:2', 'cpu:3'), 'gloo')
     """
 
     process_id: int = 0
@@ -141,6 +183,10 @@ class ProcessInfo:
     devices: tuple[str, ...] = ()
     local_devices: tuple[str, ...] = ()
     group: str | None = None
+    node_index: int = 0
+    num_nodes: int = 1
+    epoch: int = 0
+    engine: str = ""
 
     @property
     def coordinator_address(self) -> str | None:
@@ -151,6 +197,11 @@ class ProcessInfo:
     def is_multi_process(self) -> bool:
         """Whether the job has more than one process."""
         return self.num_processes > 1
+
+    @property
+    def is_multi_node(self) -> bool:
+        """Whether the job's processes use more than one node daemon."""
+        return self.num_nodes > 1
 
 
 def _env(name: str) -> str | None:
@@ -283,6 +334,9 @@ class DistributionState:
                 the values received and where they came from.
             xreduce.UnavailableError: the daemon cannot be reached; the message
                 names its address.
+            xreduce.XReduceError: the daemon refused the join, e.g. its
+                coordinator could not be reached or it cannot drive groups
+                across nodes; the message is the daemon's.
         """
         with self._lock:
             if self._info is not None:
@@ -297,21 +351,26 @@ class DistributionState:
             if count == 1:
                 self._info = ProcessInfo(pid, count, addresses, daemon, devices, devices)
                 return self._info
-            self._group = self._join(count, pid)
-            keras = [DeviceName.parse(d).keras for d in self._group.global_devices]
-            local = [DeviceName.parse(d).keras for d in self._group.local_devices]
-            self._info = ProcessInfo(pid, count, addresses, daemon, tuple(keras), tuple(local), self._group.group)
+            group = self._group = self._join(count, pid, addresses[0] if addresses else "")
+            keras = keras_names(group.global_devices)
+            if group.num_nodes > 1:
+                local = keras[group.replica_offset:group.replica_offset + len(group.local_devices)]
+            else:
+                local = [DeviceName.parse(d).keras for d in group.local_devices]
+            self._info = ProcessInfo(pid, count, addresses, daemon, tuple(keras), tuple(local), group.group,
+                                     group.node_index, group.num_nodes, group.epoch, group.engine)
             return self._info
 
-    def _join(self, count: int, pid: int) -> ProcessGroup:
-        """Meets the other processes in the daemon (bounded by its --collective-timeout)."""
+    def _join(self, count: int, pid: int, coordinator: str) -> ProcessGroup:
+        """Meets the other processes through this process's daemon, which registers them with the
+        ``coordinator`` when there is one (bounded by the daemon's --collective-timeout)."""
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
         spec = pb.CollectiveSpec(group=name, num_processes=count, process_id=pid, name="join")
         with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
             reply = client.join_group(pb.JoinGroupRequest(
-                group=name, num_processes=count, process_id=pid, devices=requested))
-        return ProcessGroup(name, count, pid, tuple(reply.local_devices), tuple(reply.global_devices))
+                group=name, num_processes=count, process_id=pid, devices=requested, coordinator=coordinator))
+        return ProcessGroup.from_reply(name, count, pid, reply)
 
     def _check_daemon(self) -> tuple[str, tuple[str, ...]]:
         with Client(self._address, timeout=self._timeout, token=self._token) as client:
@@ -369,16 +428,25 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
     The daemon (:func:`xreduce.resolve_address`) must answer ``ListDevices``.
 
     With several processes, every process's ``initialize`` meets the others
-    in the daemon (``JoinGroup``, bounded by the daemon's
+    through its daemon (``JoinGroup``, bounded by the daemon's
     ``--collective-timeout``): each gets its local devices (``XREDUCE_LOCAL_DEVICES``,
-    else a contiguous block of the daemon's devices, process 0's first), and from
+    else a contiguous block of its daemon's devices, process 0's first), and from
     then on :func:`list_devices` is the global list and every collective of
     ``xreduce.distribute`` reduces across all the processes of the group
     (``XREDUCE_GROUP``, default ``default``).
 
+    Job addresses make a group across nodes: the first address is the
+    coordinator's, which process 0's daemon serves; every process's daemon
+    (each node has one, ``XREDUCE_ADDRESS``) registers its processes there and
+    the group's collectives cross nodes. Without job addresses every process
+    uses the same daemon. A group across nodes has an epoch: when a node is
+    lost, every collective fails naming it; :func:`shutdown` then
+    ``initialize`` again forms a new epoch with the nodes that remain.
+
     Args:
         job_addresses: every process's ``host:port``, comma-separated or a list;
-            or just the coordinator's (process 0's).
+            or just the coordinator's (process 0's). Only the first is used:
+            the coordinator's address, where process 0's daemon listens.
         num_processes: processes in the job.
         process_id: this process, in ``[0, num_processes)``.
 
@@ -390,11 +458,14 @@ def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: 
         ValueError: several addresses but not ``num_processes`` of them (Keras'
             message), ``process_id`` out of range, a non-integer.
         xreduce.UnavailableError: the daemon cannot be reached.
+        xreduce.XReduceError: the daemon refused the join (its coordinator
+            cannot be reached, torch is missing for groups across nodes, ...);
+            the message is the daemon's.
 
     Example:
         >>> import xreduce
         >>> with xreduce.serve_embedded(virtual_devices=2):
-        ...     info = initialize("10.0.0.1:1234", num_processes=1, process_id=0)
+        ...     info = initialize("10.0.0.1:1234", num_processes=1, process_id=0)  # one process: no coordinator
         >>> process_id(), num_processes(), info.coordinator_address
         (0, 1, '10.0.0.1:1234')
         >>> initialize(num_processes=2, process_id=5)  # doctest: +ELLIPSIS

@@ -42,11 +42,29 @@ class ProcessGroup:
 
     Every collective call of the SDK in this process takes the next sequence
     number, so the k-th collective of every process meets the others' k-th.
+    A group across nodes also has a membership epoch, sent in every
+    collective: a collective of an older epoch is refused.
+
+    Attributes:
+        group: the group id collectives name (with a coordinator, the
+            daemon's, e.g. ``default@10.0.0.1:1234``).
+        local_devices: this process's devices, canonical names of its own daemon.
+        global_devices: every process's devices, process 0's first; across
+            nodes, task ``T`` names node ``T``'s devices.
+        epoch: the membership epoch (0 for a group of one daemon).
+        nodes: the node daemons of a group across nodes, node 0 first (else empty).
+        node_index: this process's node in ``nodes``.
+        engine: what carries bytes between nodes (``"gloo"``), or empty.
+        replica_offset: this process's first device's position in ``global_devices``.
 
     Example:
         >>> pg = ProcessGroup("train", 2, 1, ("/cpu:1",), ("/cpu:0", "/cpu:1"))
         >>> [pg.next_spec().sequence for _ in range(2)]
         [0, 1]
+        >>> pg = ProcessGroup("default@10.0.0.1:1234", 2, 1, ("/cpu:0",), ("/cpu:0", "/task:1/cpu:0"), epoch=3)
+        >>> spec = pg.next_spec()
+        >>> spec.group, spec.epoch
+        ('default@10.0.0.1:1234', 3)
     """
 
     group: str
@@ -54,15 +72,49 @@ class ProcessGroup:
     process_id: int
     local_devices: tuple[str, ...]
     global_devices: tuple[str, ...]
+    epoch: int = 0
+    nodes: tuple[pb.ClusterNode, ...] = ()
+    node_index: int = 0
+    engine: str = ""
+    replica_offset: int = 0
     _counter: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_reply(cls, name: str, num_processes: int, process_id: int,
+                   reply: pb.JoinGroupResponse) -> ProcessGroup:
+        """The group a ``JoinGroupResponse`` describes; ``name`` is the group the request named.
+
+        Example:
+            >>> reply = pb.JoinGroupResponse(
+            ...     local_devices=["/cpu:0"], global_devices=["/task:0/cpu:0", "/task:0/cpu:1", "/task:1/cpu:0"],
+            ...     processes=[pb.ProcessDevices(process_id=0, devices=["/cpu:0", "/cpu:1"]),
+            ...                pb.ProcessDevices(process_id=1, devices=["/cpu:0"])],
+            ...     epoch=1, group="default@10.0.0.1:1234", node_index=1, engine="gloo",
+            ...     nodes=[pb.ClusterNode(index=0), pb.ClusterNode(index=1)])
+            >>> pg = ProcessGroup.from_reply("default", 2, 1, reply)
+            >>> pg.group, pg.epoch, pg.node_index, len(pg.nodes), pg.engine, pg.replica_offset
+            ('default@10.0.0.1:1234', 1, 1, 2, 'gloo', 2)
+        """
+        # The global list is every process's devices in process order: this process's come after
+        # those of every lower process id. (Names cannot locate them: across nodes the local names
+        # are this daemon's, task 0, and repeat another node's.)
+        offset = sum(len(p.devices) for p in reply.processes if p.process_id < process_id)
+        return cls(reply.group or name, num_processes, process_id, tuple(reply.local_devices),
+                   tuple(reply.global_devices), epoch=reply.epoch, nodes=tuple(reply.nodes),
+                   node_index=reply.node_index, engine=reply.engine, replica_offset=offset)
+
+    @property
+    def num_nodes(self) -> int:
+        """The node daemons the group spans (1 for a group of one daemon)."""
+        return max(len(self.nodes), 1)
 
     def next_spec(self) -> pb.CollectiveSpec:
         """The ``CollectiveSpec`` of this process's next collective."""
         with self._lock:
             sequence = next(self._counter)
         return pb.CollectiveSpec(group=self.group, num_processes=self.num_processes,
-                                 process_id=self.process_id, sequence=sequence)
+                                 process_id=self.process_id, sequence=sequence, epoch=self.epoch)
 
 
 class Closeable(Protocol):

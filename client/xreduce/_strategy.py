@@ -147,7 +147,8 @@ class MirroredStrategy:
 
     In a multi-process job each process runs its own replicas; every
     reduction spans all processes, ``num_replicas_in_sync`` counts them all and
-    replica ids are global.
+    replica ids are global: a process's first replica's id is the number of
+    devices of the processes of lower id, on every node of the group.
 
     Raises:
         ValueError: ``devices`` is empty or names a device twice.
@@ -209,12 +210,13 @@ class MirroredStrategy:
         return devices
 
     def _first_replica_id(self) -> int:
-        """The global id of this process's first replica."""
+        """The global id of this process's first replica: its device's position in the global list."""
         group = self._group()
         if group is None:
             return 0
         first = self._devices()[0]
-        return group.global_devices.index(first) if first in group.global_devices else 0
+        local = group.local_devices
+        return group.replica_offset + (local.index(first) if first in local else 0)
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -181,7 +181,7 @@ class Coordinator:
             for rank, reg in enumerate(regs):
                 requested[rank] = tuple(_device_index(labels, d, reg.process_id) for d in reg.devices)
             what = f"the join of group {group.name!r} on node {index} ({node.address})"
-            by_rank = assign_devices(requested, len(labels), lambda d: labels[d], what)
+            by_rank = assign_devices(requested, len(labels), labels.__getitem__, what)
             assigned = {reg.process_id: by_rank[rank] for rank, reg in enumerate(regs)}
             nodes.append(pb.ClusterNode(
                 index=index, node_id=node.node_id, address=node.address, backend=node.backend,

@@ -375,7 +375,7 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
     results: dict[int, list[Result]] = {}
     finals = []
     offset = 0
-    for t, node_sum in enumerate(sums):
+    for node_sum in sums:
         size = node_sum.nbytes
         total = None
         for part in parts:  # node order: the same additions on every node
@@ -548,7 +548,8 @@ class Peers:
                                  backend=self.backend, engines=engines),
             devices=[DeviceName.parse(d).short for d in devices])
         request.timeout.FromNanoseconds(int(timeout * 1e9))
-        reply = self._call(stub.Register, request, timeout + 5.0, coordinator, "register with")
+        # Process 0's daemon may not serve the coordinator yet: wait for it, within the join's timeout.
+        reply = self._call(stub.Register, request, timeout + 5.0, coordinator, "register with", wait=True)
         with self._lock:
             key = (reply.group, reply.epoch)
             future = self._joining.get(key)
@@ -656,11 +657,16 @@ class Peers:
                 self._channels[address] = (channel, pb_grpc.PeersStub(channel))
             return self._channels[address][1]
 
-    def _call(self, method, request, timeout: float, address: str, verb: str, engine_error: bool = False):
+    def _call(self, method, request, timeout: float, address: str, verb: str, engine_error: bool = False,
+              wait: bool = False):
         try:
-            return method(request, timeout=timeout, metadata=self._metadata)
+            return method(request, timeout=timeout, metadata=self._metadata, wait_for_ready=wait)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
+            if wait and code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+                raise DeadlineExceeded(
+                    f"the coordinator at {address} (job_addresses[0]) did not answer within {timeout:.3g}s: is "
+                    "process 0 running, its daemon on that host, and the port open?") from None
             if engine_error:
                 raise gloo.EngineError(f"the coordinator's store at {address}: {code.name}: {details}") from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:

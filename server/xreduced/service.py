@@ -423,8 +423,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         else:
             def reduce(shares):
                 return reduce_together(self.engine, shares, group.label, deadline)
-        return self._meet(group, share, deadline, context,
-                          lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster), slots
+        result = self._meet(group, share, deadline, context,
+                            lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster)
+        return result, slots
 
     def _cluster(self, group: decode.Group | None) -> peers.ClusterGroup | None:
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""

