@@ -95,7 +95,7 @@ def format_row(row: Row, setting: Setting, dtype: str, reduce_op: str) -> str:
     """
     busbw = row.busbw(setting.link_factor)
     bus = f"{busbw:.4g}" if setting.nodes > 1 else "-"
-    share = f"{busbw * 8e9 / setting.rate * 100:.1f}" if setting.rate and setting.nodes > 1 else "-"
+    share = f"{busbw * 8e9 / setting.rate * 100:.3g}" if setting.rate and setting.nodes > 1 else "-"
     wrong = "-" if row.wrong is None else str(row.wrong)
     return (f"{row.size:>12} {row.count:>12} {dtype:>9} {reduce_op:>6} {row.time * 1e6:>12.1f} {row.algbw:>12.4g} "
             f"{bus:>12} {share:>6} {wrong:>7}")

@@ -107,7 +107,7 @@ def test_one_and_two_shaped_nodes_run_the_three_systems_and_print_the_tables(tmp
         algbw, busbw = float(row["algbw(GB/s)"]), float(row["busbw(GB/s)"])
         assert algbw == pytest.approx(65536 / (float(row["time(us)"]) * 1e3), rel=2e-3)
         assert busbw == pytest.approx(algbw, rel=2e-3)  # 2(N-1)/N = 1 for two nodes
-        assert float(row["link%"]) == pytest.approx(busbw * 8 * 100, rel=2e-2)  # of 1 Gbit/s
+        assert float(row["link%"]) == pytest.approx(busbw * 8 * 100, rel=6e-3)  # of 1 Gbit/s, to 3 digits
     assert rows(two["xreduce"])[0]["#wrong"] == "0"  # every element of every process's result checked
     (engine,) = [line for line in two["xreduce"] if line.startswith("# the daemons' GetStatus")]
     assert re.match(r"# the daemons' GetStatus, warm-up included: node 1: 1 collective across nodes on gloo, "
