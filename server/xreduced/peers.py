@@ -488,13 +488,14 @@ def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) 
 
 def _place(engine: Engine, total: np.ndarray, dests: tuple[int, ...], out: Mapping[int, np.ndarray] | None,
            route: str) -> Result:
+    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded."""
     arrays = []
     for d in dests:
-        buf = engine.backend.upload(d, total)
         if out is not None and d in out:
-            engine.backend.write(out[d], buf)
-            buf = out[d]
-        arrays.append(buf)
+            engine.backend.write(out[d], total)
+            arrays.append(out[d])
+        else:
+            arrays.append(engine.backend.upload(d, total))
     engine.backend.synchronize()
     return Result(tuple(dests), tuple(arrays), route if route != planner.IDENTITY else planner.HIERARCHICAL_COPY)
 
