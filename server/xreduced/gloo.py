@@ -176,6 +176,12 @@ class GlooEngine:
         Raises:
             EngineError: a peer failed or did not answer within ``timeout``.
         """
+        self.finish(self.all_reduce_start(buffer, timeout))
+        return buffer
+
+    def all_reduce_start(self, buffer: np.ndarray, timeout: float):
+        """Starts :meth:`all_reduce` of ``buffer`` (contiguous, left alone until :meth:`finish`); Gloo's
+        threads carry it while the caller goes on. Operations run in the order they are started."""
         import torch
 
         if buffer.dtype.name == "bfloat16":
@@ -184,8 +190,18 @@ class GlooEngine:
             tensor = torch.from_numpy(buffer)
         options = self._c10d.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
-        self._wait(self._group.allreduce([tensor], options))
-        return buffer
+        try:
+            return self._group.allreduce([tensor], options)
+        except RuntimeError as e:
+            raise EngineError(_short(e)) from None
+
+    def finish(self, work) -> None:
+        """Waits for an operation :meth:`all_reduce_start` started.
+
+        Raises:
+            EngineError: a peer failed or did not answer within the operation's timeout.
+        """
+        self._wait(work)
 
     def broadcast(self, buffer: np.ndarray, root: int, timeout: float) -> np.ndarray:
         """``buffer`` of node ``root`` into every node's ``buffer`` (``uint8``, written in place).

@@ -61,7 +61,7 @@ from xreduced.collective import (
 )
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
-from xreduced.engine import MEAN, SUM, Engine, Result
+from xreduced.engine import MEAN, SUM, Engine, Result, Value
 from xreduced.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from xreduced.executor import Deadline
 
@@ -70,6 +70,8 @@ log = logging.getLogger("xreduced.peers")
 _HEADER = 48
 """int64 words of a collective's header: status, signature, replicas, bytes, dtype, ndim, then the shape."""
 _MAX_NDIM = _HEADER - 8
+PIPELINE_BYTES = 4 << 20
+"""Tensors larger than this cross nodes in pieces of this size (see :func:`node_sums_across`)."""
 _OK, _REFUSED = 0, 1
 
 
@@ -308,6 +310,14 @@ class ClusterGroup:
                                            f"{self.error()}") from None
             except gloo.EngineError as e:
                 raise self._engine_failed(label, e) from None
+            except ServiceError as e:  # e.g. the deadline, in the node's work: the others would wait for this node
+                self.fail(f"{label} failed on {self.describe(self.node_index)}: {e}", report=True)
+                raise
+            except Exception:  # a bug: the others must not wait for this node
+                log.exception("event=exchange_error group=%s", self.gid)
+                self.fail(f"{label} failed on {self.describe(self.node_index)} (a daemon error; see its log)",
+                          report=True)
+                raise self.error() from None
         with self._lock:
             self.stats.collectives += 1
             self.stats.bytes += moved + headers[0].nbytes * len(headers)
@@ -345,39 +355,77 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         Aborted / Unavailable / DeadlineExceeded: see :meth:`ClusterGroup.exchange`.
     """
     refused: ServiceError | None = None
+    joined: list = []
     try:
         check_shares(engine, shares, what)
         ref = shares[min(shares)]
         joined, _ = join_shares(engine, shares, what)
-        local = engine.batch_reduce(
-            SUM, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
-            deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
-        sums = [np.ascontiguousarray(engine.backend.to_host(r.arrays[0])) for r in local]
-        replicas = len(joined[0][0].devices) if joined else 0
-        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm,
-                        [(a.dtype.str, a.shape) for a in sums])
-        mine = header(_OK, sig, replicas, sum(a.nbytes for a in sums))
+        # Everything the node's sum could refuse, refused before the nodes agree to go on.
+        routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
+                               dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
+        templates = [v.arrays[0] for v, _ in joined]
+        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [(a.dtype.str, a.shape) for a in templates])
+        mine = header(_OK, sig, len(joined[0][0].devices) if joined else 0, sum(a.nbytes for a in templates))
     except InvalidArgument as e:
-        refused, sums, mine = e, [], header(_REFUSED)
-    def work(engine, headers, timeout):
+        refused, mine = e, header(_REFUSED)
+
+    def work(gloo_engine, headers, timeout):
         if not (all(h[0] == _OK for h in headers) and _agree(headers)):
             return None, 0
-        return sum_across(engine, sums, timeout)
+        return node_sums_across(engine, gloo_engine, joined, ref, deadline, timeout)
 
     headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
     total_replicas = int(sum(h[2] for h in headers))
-    results: dict[int, list[Result]] = {}
     finals = [divide(np, t, total_replicas) if ref.op == MEAN else t for t in totals]
+    results: dict[int, list[Result]] = {}
     for pid, c in shares.items():
-        mine_results = []
-        for t, (_, dests) in enumerate(c.pairs):
-            out = c.out[t] if c.out is not None else None
-            mine_results.append(_place(engine, finals[t], dests, out, local[t].route))
-        results[pid] = mine_results
+        results[pid] = [_place(engine, finals[t], dests, c.out[t] if c.out is not None else None, routes[t])
+                        for t, (_, dests) in enumerate(c.pairs)]
     return results
+
+
+def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list, ref: Contribution,
+                     deadline: Deadline, timeout: float) -> tuple[list[np.ndarray], int]:
+    """Each joined value summed in the node (the node's plan), then across nodes (:func:`sum_across`).
+
+    A summable tensor over :data:`PIPELINE_BYTES` goes in pieces: the node sums a piece while the previous
+    one crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the
+    whole tensor's does. Returns (totals on the host, bytes moved).
+    """
+    large = [t for t, (v, _) in enumerate(joined)
+             if v.arrays[0].nbytes > PIPELINE_BYTES and gloo.summable(v.arrays[0].dtype)]
+    rest = [t for t in range(len(joined)) if t not in large]
+    totals: list[np.ndarray | None] = [None] * len(joined)
+    moved = 0
+    pending = []
+    for t in large:
+        value, dests = joined[t]
+        flats = [a.reshape(-1) for a in value.arrays]
+        total = np.empty(flats[0].size, flats[0].dtype)
+        step = max(PIPELINE_BYTES // total.itemsize, 1)
+        for start in range(0, total.size, step):
+            piece = Value(value.devices, tuple(f[start:start + step] for f in flats), value.field)
+            (summed,) = engine.batch_reduce(SUM, [(piece, dests)], num_packs=1, algorithm=ref.algorithm,
+                                            reduce_to=ref.reduce_to, deadline=deadline)
+            view = total[start:start + step]
+            np.copyto(view, engine.backend.to_host(summed.arrays[0]))
+            pending.append(gloo_engine.all_reduce_start(view, timeout))
+        totals[t] = total.reshape(value.arrays[0].shape)
+        moved += total.nbytes
+    if rest:
+        local = engine.batch_reduce(SUM, [joined[t] for t in rest], num_packs=ref.num_packs,
+                                    algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline)
+        sums, n = sum_across(gloo_engine, [np.ascontiguousarray(engine.backend.to_host(r.arrays[0]))
+                                           for r in local], timeout)
+        for t, total in zip(rest, sums):
+            totals[t] = total
+        moved += n
+    for work in pending:
+        gloo_engine.finish(work)
+    return totals, moved
 
 
 def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
