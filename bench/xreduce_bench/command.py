@@ -41,6 +41,7 @@ from typing import Any, TextIO
 import xreduce
 from xreduced.cli import parse_bytes
 
+from xreduce_bench import multinode
 from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
 from xreduce_bench.sweep import (
     OPS,
@@ -111,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto",
                    help="xreduce transports to run one after the other, comma-separated: wire, shm, auto (default "
                    "auto: shared memory when the daemon shares this host, else the wire)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per size (default 20; 5 with --nodes)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations before them (default 2)")
     p.add_argument("--peers", nargs="?", const="gloo,mpi", default=None,
                    help="also run peers on the same sizes with processes x devices ranks: gloo, mpi "
@@ -123,6 +124,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no tty")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any one wait may last: a worker's start, one size (default 300)")
+    nodes = p.add_argument_group(
+        "across nodes", "--nodes runs the multi-node benchmark instead (root: the nodes are network namespaces on "
+        "one bridge): flat gloo among all processes, gloo among the node leaders and xreduce with a daemon per "
+        "node, on the same values")
+    nodes.add_argument("--nodes", metavar="N[,N...]", default=None,
+                       help="node counts to run, one after the other (e.g. 2, or 1,2,3 for the scaling)")
+    nodes.add_argument("--procs-per-node", type=int, default=None, help="processes per node (default 4)")
+    nodes.add_argument("--size", default=None, help="bytes each process reduces, comma-separated (default 64MiB)")
+    nodes.add_argument("--shape", default=None,
+                       help="link rates to run, comma-separated: a tc rate (1gbit) shapes both directions of every "
+                       "node's link, none leaves them unshaped (default none)")
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -163,6 +175,12 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
         $ xreduce bench --embedded --processes 4 --max-bytes 64MiB --transport shm,wire --peers --plot bw.png
     """
     out = out or sys.stdout
+    if args.nodes is not None:
+        return multinode.run(p, args, out)
+    for name in ("procs_per_node", "size", "shape"):
+        if getattr(args, name) is not None:
+            p.error(f"--{name.replace('_', '-')} needs --nodes")
+    args.iters = 20 if args.iters is None else args.iters
     transports, peers = _validate(p, args)
     if args.embedded:  # before starting a daemon for nothing
         _need_two_devices(p, args.processes, args.devices or 8)

@@ -10,6 +10,8 @@ import dataclasses
 
 import grpc
 
+from xreduce.wire.contract import ANSWERED_METADATA
+
 
 class XReduceError(Exception):
     """Base of every error the daemon reports; ``code`` is the gRPC status.
@@ -171,6 +173,14 @@ def tls_hint(details: str, security: Security | None = None) -> str | None:
     return f"the TLS handshake failed; {_SETTINGS}"
 
 
+def _from_daemon(error: grpc.RpcError) -> bool:
+    """Whether the daemon answered the error itself (see ``ANSWERED_METADATA``)."""
+    try:
+        return any(k == ANSWERED_METADATA for k, _ in error.trailing_metadata() or ())
+    except (AttributeError, TypeError):
+        return False
+
+
 def from_rpc_error(error: grpc.RpcError, address: str, security: Security | None = None) -> XReduceError:
     """The SDK exception for a failed call, keeping the status code and message.
 
@@ -189,7 +199,7 @@ def from_rpc_error(error: grpc.RpcError, address: str, security: Security | None
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, InternalError)
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE and not _from_daemon(error):
         hint = tls_hint(details, security)
         details = (f"xreduce daemon at {address} is unavailable: {details}" if hint is None else
                    f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: {hint} (gRPC: {details})")

@@ -507,6 +507,16 @@ def is_initialized() -> bool:
     return _global_state.is_initialized
 
 
+def current_group() -> ProcessGroup | None:
+    """The group :func:`initialize` joined, or None (one process, or not initialized).
+
+    Example:
+        >>> current_group() is None
+        True
+    """
+    return _global_state.group
+
+
 def process_info() -> ProcessInfo | None:
     """What :func:`initialize` recorded, or None before it.
 

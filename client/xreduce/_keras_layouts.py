@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from xreduce._keras_devices import list_devices
+from xreduce import _keras_devices
+from xreduce._keras_devices import list_devices, process_info
 from xreduce._ops import CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp
 from xreduce._values import DistributedValues, PerReplica
 from xreduce.wire.devices import DeviceName
@@ -418,7 +419,16 @@ class DataParallel(Distribution):
         return None
 
     def _replica_devices(self) -> list[str]:
-        return self.device_mesh.devices.ravel().tolist()
+        """The mesh's devices this process drives: all of them alone; after a multi-process
+        :func:`initialize`, its own (named as its daemon knows them), each process feeding its own."""
+        devices = self.device_mesh.devices.ravel().tolist()
+        local = _local_names()
+        if local is None:
+            return devices
+        mine = [local[d] for d in devices if d in local]
+        if not mine:
+            raise ValueError(f"the mesh's devices {devices} hold none of this process's devices {list(local)}")
+        return mine
 
     def distribute_batch(self, batch: Any) -> Any:
         """Splits a global batch along its first dimension, one slice per device.
@@ -430,6 +440,8 @@ class DataParallel(Distribution):
         number of rows; the result has the same structure with a
         :class:`~xreduce.distribute.PerReplica` in place of each array. With a
         mesh of more axes, the devices along the other axes get the same slice.
+        After a multi-process :func:`initialize`, ``batch`` is this process's
+        share of the global batch, split across the devices it drives.
 
         Raises:
             ValueError: fewer rows than slices, arrays with different numbers
@@ -443,8 +455,8 @@ class DataParallel(Distribution):
             ([[0, 1], [2], [3]], '/job:localhost/replica:0/task:0/device:CPU:2')
         """
         devices = self._replica_devices()
-        slices = self.device_mesh.shape[0]
-        copies = len(devices) // slices
+        copies = self.device_mesh.devices.size // self.device_mesh.shape[0]
+        slices = max(len(devices) // copies, 1)
         leaves: list[tuple[str, Any]] = []
         _leaves(batch, "batch", leaves)
         if not leaves:
@@ -474,9 +486,11 @@ class DataParallel(Distribution):
 
         Args:
             per_replica_grads: a :class:`~xreduce.distribute.PerReplica` (one
-                gradient per device of the mesh, in ``mesh.devices`` order) or
-                a list of them, e.g. one per variable. A value without devices
-                is placed on the mesh's devices.
+                gradient per device of the mesh, in ``mesh.devices`` order; after
+                a multi-process :func:`initialize`, per device this process
+                drives, as :meth:`distribute_batch` gave them) or a list of
+                them, e.g. one per variable. A value without devices is placed
+                on those devices. Every process of the job reduces together.
             reduce_op: ``"mean"`` (default) or ``"sum"``, or a ``ReduceOp``.
 
         Returns:
@@ -533,6 +547,21 @@ class DataParallel(Distribution):
     def __repr__(self) -> str:
         mesh = self._device_mesh if self._device_mesh is not None else "<every device of list_devices()>"
         return f"<{type(self).__name__} device_mesh={mesh}, batch_dim_name={self._batch_dim_name!r}>"
+
+
+def _local_names() -> dict[str, str] | None:
+    """This process's devices after a multi-process :func:`initialize`: keras name in the job's list ->
+    the name its daemon knows; None for a single process.
+
+    Example:
+        >>> _local_names() is None  # not initialized: one process drives every device
+        True
+    """
+    info = process_info()
+    group = _keras_devices.current_group()
+    if info is None or group is None or not info.is_multi_process:
+        return None
+    return dict(zip(info.local_devices, group.local_devices))
 
 
 def _leaves(structure: Any, path: str, out: list[tuple[str, Any]]) -> None:

@@ -8,7 +8,7 @@ codec's error) whose message names the field and the value received.
 Example:
     >>> from xreduce.v1 import xreduce_pb2 as pb
     >>> group(pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, process_id=1)))
-    Group(key=('g', 'seq:0'), label='collective 0 in group "g"', num_processes=2, process_id=1)
+    Group(key=('g', 'seq:0'), label='collective 0 in group "g"', num_processes=2, process_id=1, sequence=0, epoch=0)
 """
 
 from __future__ import annotations

@@ -23,6 +23,21 @@ import numpy as np
 INSTALL_HINT = "pip install 'xreduce[cluster]' (torch, whose torch.distributed carries Gloo) on every node"
 
 
+SUMMABLE = frozenset(np.dtype(d) for d in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8",
+                                          "bool", "complex64", "complex128"))
+"""The dtypes Gloo's all-reduce adds (bfloat16 too, see :func:`summable`); others cross as bytes."""
+
+
+def summable(dtype: np.dtype) -> bool:
+    """Whether Gloo's all-reduce adds ``dtype``.
+
+    Example:
+        >>> summable(np.dtype("float32")), summable(np.dtype("uint16"))
+        (True, False)
+    """
+    return np.dtype(dtype) in SUMMABLE or np.dtype(dtype).name == "bfloat16"
+
+
 def unavailable_reason() -> str | None:
     """Why this daemon cannot drive Gloo, or None when it can.
 
@@ -154,6 +169,39 @@ class GlooEngine:
         options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
         self._wait(self._group.allgather([parts], [source], options))
         return [p.numpy() for p in parts]
+
+    def all_reduce(self, buffer: np.ndarray, timeout: float) -> np.ndarray:
+        """The sum over every node of ``buffer`` (a flat array of a :func:`summable` dtype), in place.
+
+        Raises:
+            EngineError: a peer failed or did not answer within ``timeout``.
+        """
+        self.finish(self.all_reduce_start(buffer, timeout))
+        return buffer
+
+    def all_reduce_start(self, buffer: np.ndarray, timeout: float):
+        """Starts :meth:`all_reduce` of ``buffer`` (contiguous, left alone until :meth:`finish`); Gloo's
+        threads carry it while the caller goes on. Operations run in the order they are started."""
+        import torch
+
+        if buffer.dtype.name == "bfloat16":
+            tensor = torch.from_numpy(buffer.view(np.uint16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(buffer)
+        options = self._c10d.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        try:
+            return self._group.allreduce([tensor], options)
+        except RuntimeError as e:
+            raise EngineError(_short(e)) from None
+
+    def finish(self, work) -> None:
+        """Waits for an operation :meth:`all_reduce_start` started.
+
+        Raises:
+            EngineError: a peer failed or did not answer within the operation's timeout.
+        """
+        self._wait(work)
 
     def broadcast(self, buffer: np.ndarray, root: int, timeout: float) -> np.ndarray:
         """``buffer`` of node ``root`` into every node's ``buffer`` (``uint8``, written in place).

@@ -8,11 +8,13 @@ collective of the group runs in three steps:
 
 1. inside the node, the processes of this node meet in the rendezvous and their
    values are summed with the node's own plan (TF's hierarchical copy);
-2. across nodes, the node daemons all-gather the node sums on the engine (Gloo),
-   in sequence order, and each adds them in node order:
-   ``((node 0 + node 1) + node 2) ...``, the same additions on every node, so
-   every replica gets the same bytes; MEAN then divides once by the global
-   replica count;
+2. across nodes, the node daemons all-reduce the node sums on the engine (Gloo),
+   one collective after another in sequence order (:func:`sum_across`): with two
+   nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an
+   order fixed by the number of nodes and the buffer's size; a dtype Gloo cannot
+   add is all-gathered and added in node order, ``((node 0 + node 1) + node 2)``.
+   Every node gets the same bytes; MEAN then divides once by the global replica
+   count;
 3. back down, the total is copied to every destination of the node's processes.
 
 Before the bytes, the nodes exchange a small header: whether each node's
@@ -59,7 +61,7 @@ from xreduced.collective import (
 )
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
-from xreduced.engine import MEAN, SUM, Engine, Result
+from xreduced.engine import MEAN, SUM, Engine, Result, Value
 from xreduced.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from xreduced.executor import Deadline
 
@@ -68,6 +70,8 @@ log = logging.getLogger("xreduced.peers")
 _HEADER = 48
 """int64 words of a collective's header: status, signature, replicas, bytes, dtype, ndim, then the shape."""
 _MAX_NDIM = _HEADER - 8
+PIPELINE_BYTES = 4 << 20
+"""Tensors larger than this cross nodes in pieces of this size (see :func:`node_sums_across`)."""
 _OK, _REFUSED = 0, 1
 
 
@@ -266,14 +270,12 @@ class ClusterGroup:
         with self._lock:
             return sequence is not None and self._next > sequence
 
-    def exchange(self, sequence: int, mine: np.ndarray, payload: Callable[[list[np.ndarray]], np.ndarray | None],
-                 deadline: Deadline, label: str, broadcast_root: int | None = None):
-        """All-gathers the headers, then (if ``payload(headers)`` gives bytes) the payloads, or broadcasts
-        them from node ``broadcast_root``; collective ``sequence`` enters the engine after ``sequence - 1``.
+    def exchange(self, sequence: int, mine: np.ndarray, work: Callable, deadline: Deadline, label: str):
+        """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes and
+        returns ``(result, bytes moved)``); collective ``sequence`` enters the engine after ``sequence - 1``.
 
         Returns:
-            (headers, payloads): every node's header and payload, node 0's first (for a broadcast, the
-            root's payload alone); payloads None when ``payload`` gave none.
+            (headers, result): every node's header, node 0's first, and what ``work`` returned.
 
         Raises:
             Aborted / Unavailable: the epoch failed meanwhile (naming who was lost).
@@ -292,11 +294,11 @@ class ClusterGroup:
                 raise self.error()
             self._next += 1
             self._lock.notify_all()
-            future = self._lane.submit(self._run, mine, payload, deadline, broadcast_root)
+            future = self._lane.submit(self._run, mine, work, deadline)
         start = time.perf_counter()
         while True:
             try:
-                headers, parts = future.result(timeout=0.2)
+                headers, result, moved = future.result(timeout=0.2)
                 break
             except concurrent.futures.TimeoutError:
                 left = deadline.remaining()
@@ -308,23 +310,25 @@ class ClusterGroup:
                                            f"{self.error()}") from None
             except gloo.EngineError as e:
                 raise self._engine_failed(label, e) from None
+            except ServiceError as e:  # e.g. the deadline, in the node's work: the others would wait for this node
+                self.fail(f"{label} failed on {self.describe(self.node_index)}: {e}", report=True)
+                raise
+            except Exception:  # a bug: the others must not wait for this node
+                log.exception("event=exchange_error group=%s", self.gid)
+                self.fail(f"{label} failed on {self.describe(self.node_index)} (a daemon error; see its log)",
+                          report=True)
+                raise self.error() from None
         with self._lock:
             self.stats.collectives += 1
-            self.stats.bytes += sum(p.nbytes for p in parts or ()) + headers[0].nbytes * len(headers)
+            self.stats.bytes += moved + headers[0].nbytes * len(headers)
             self.stats.seconds += time.perf_counter() - start
-        return headers, parts
+        return headers, result
 
-    def _run(self, mine, payload, deadline: Deadline, root: int | None):
-        timeout = self._timeout(deadline)
-        headers = self.engine.all_gather(mine.view(np.uint8), timeout)
+    def _run(self, mine: np.ndarray, work: Callable, deadline: Deadline):
+        headers = self.engine.all_gather(mine.view(np.uint8), self._timeout(deadline))
         headers = [h.view(np.int64) for h in headers]
-        data = payload(headers)
-        if data is None:
-            return headers, None
-        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if root is not None:
-            return headers, [self.engine.broadcast(data, root, self._timeout(deadline))]
-        return headers, self.engine.all_gather(data, self._timeout(deadline))
+        result, moved = work(self.engine, headers, self._timeout(deadline))
+        return headers, result, moved
 
     def _timeout(self, deadline: Deadline) -> float:
         left = deadline.remaining()
@@ -351,48 +355,77 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         Aborted / Unavailable / DeadlineExceeded: see :meth:`ClusterGroup.exchange`.
     """
     refused: ServiceError | None = None
+    joined: list = []
     try:
         check_shares(engine, shares, what)
         ref = shares[min(shares)]
         joined, _ = join_shares(engine, shares, what)
-        local = engine.batch_reduce(
-            SUM, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
-            deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
-        sums = [np.ascontiguousarray(engine.backend.to_host(r.arrays[0])) for r in local]
-        replicas = len(joined[0][0].devices) if joined else 0
-        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm,
-                        [(a.dtype.str, a.shape) for a in sums])
-        mine = header(_OK, sig, replicas, sum(a.nbytes for a in sums))
+        # Everything the node's sum could refuse, refused before the nodes agree to go on.
+        routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
+                               dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
+        templates = [v.arrays[0] for v, _ in joined]
+        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [(a.dtype.str, a.shape) for a in templates])
+        mine = header(_OK, sig, len(joined[0][0].devices) if joined else 0, sum(a.nbytes for a in templates))
     except InvalidArgument as e:
-        refused, sums, mine = e, [], header(_REFUSED)
-    headers, parts = cluster.exchange(
-        sequence, mine, lambda hs: _concat(sums) if all(h[0] == _OK for h in hs) and _agree(hs) else None,
-        deadline, what)
+        refused, mine = e, header(_REFUSED)
+
+    def work(gloo_engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        return node_sums_across(engine, gloo_engine, joined, ref, deadline, timeout)
+
+    headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
     total_replicas = int(sum(h[2] for h in headers))
+    finals = [divide(np, t, total_replicas) if ref.op == MEAN else t for t in totals]
     results: dict[int, list[Result]] = {}
-    finals = []
-    offset = 0
-    for node_sum in sums:
-        size = node_sum.nbytes
-        total = None
-        for part in parts:  # node order: the same additions on every node
-            x = part[offset:offset + size].view(node_sum.dtype).reshape(node_sum.shape)
-            if total is None:
-                total = x.copy()
-            else:
-                np.add(total, x, out=total)
-        offset += size
-        finals.append(divide(np, total, total_replicas) if ref.op == MEAN else total)
     for pid, c in shares.items():
-        mine_results = []
-        for t, (_, dests) in enumerate(c.pairs):
-            out = c.out[t] if c.out is not None else None
-            mine_results.append(_place(engine, finals[t], dests, out, local[t].route))
-        results[pid] = mine_results
+        results[pid] = [_place(engine, finals[t], dests, c.out[t] if c.out is not None else None, routes[t])
+                        for t, (_, dests) in enumerate(c.pairs)]
     return results
+
+
+def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list, ref: Contribution,
+                     deadline: Deadline, timeout: float) -> tuple[list[np.ndarray], int]:
+    """Each joined value summed in the node (the node's plan), then across nodes (:func:`sum_across`).
+
+    A summable tensor over :data:`PIPELINE_BYTES` goes in pieces: the node sums a piece while the previous
+    one crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the
+    whole tensor's does. Returns (totals on the host, bytes moved).
+    """
+    large = [t for t, (v, _) in enumerate(joined)
+             if v.arrays[0].nbytes > PIPELINE_BYTES and gloo.summable(v.arrays[0].dtype)]
+    rest = [t for t in range(len(joined)) if t not in large]
+    totals: list[np.ndarray | None] = [None] * len(joined)
+    moved = 0
+    pending = []
+    for t in large:
+        value, dests = joined[t]
+        flats = [a.reshape(-1) for a in value.arrays]
+        total = np.empty(flats[0].size, flats[0].dtype)
+        step = max(PIPELINE_BYTES // total.itemsize, 1)
+        for start in range(0, total.size, step):
+            piece = Value(value.devices, tuple(f[start:start + step] for f in flats), value.field)
+            (summed,) = engine.batch_reduce(SUM, [(piece, dests)], num_packs=1, algorithm=ref.algorithm,
+                                            reduce_to=ref.reduce_to, deadline=deadline)
+            view = total[start:start + step]
+            np.copyto(view, engine.backend.to_host(summed.arrays[0]))
+            pending.append(gloo_engine.all_reduce_start(view, timeout))
+        totals[t] = total.reshape(value.arrays[0].shape)
+        moved += total.nbytes
+    if rest:
+        local = engine.batch_reduce(SUM, [joined[t] for t in rest], num_packs=ref.num_packs,
+                                    algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline)
+        sums, n = sum_across(gloo_engine, [np.ascontiguousarray(engine.backend.to_host(r.arrays[0]))
+                                           for r in local], timeout)
+        for t, total in zip(rest, sums):
+            totals[t] = total
+        moved += n
+    for work in pending:
+        gloo_engine.finish(work)
+    return totals, moved
 
 
 def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
@@ -425,11 +458,14 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     except InvalidArgument as e:
         refused, mine = e, header(_REFUSED)
     root = cluster.node_of.get(source_pid, 0)
-    headers, parts = cluster.exchange(
-        sequence, mine,
-        lambda hs: (array if array is not None else np.empty(int(hs[root][3]), np.uint8))
-        if all(h[0] == _OK for h in hs) and _agree(hs) else None,
-        deadline, what, broadcast_root=root)
+
+    def work(engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        data = array.reshape(-1).view(np.uint8) if array is not None else np.empty(int(headers[root][3]), np.uint8)
+        return engine.broadcast(data, root, timeout), data.nbytes
+
+    headers, received = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
@@ -437,7 +473,7 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
         return broadcast_together(engine, shares, what, deadline)
     h = headers[root]
     dtype = codec.numpy_dtype(int(h[4]))
-    received = parts[0].view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
+    received = received.view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
     out: dict[int, np.ndarray] = {}
     for share in shares.values():
         for d, target in (share.out or {}).items():
@@ -447,10 +483,36 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
 
 
-def _concat(arrays: list[np.ndarray]) -> np.ndarray:
-    if not arrays:
-        return np.empty(0, np.uint8)
-    return np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+def sum_across(engine: gloo.GlooEngine, sums: list[np.ndarray], timeout: float) -> tuple[list[np.ndarray], int]:
+    """Every node's ``sums`` added together, the same bytes on every node; returns (totals, bytes moved).
+
+    The tensors of one dtype travel as one buffer. A dtype Gloo adds (:data:`gloo.SUMMABLE`) is all-reduced
+    by Gloo: with two nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an order
+    fixed by the number of nodes and the buffer's size. Other dtypes are all-gathered and added here in node
+    order, ``((node 0 + node 1) + node 2) ...``.
+    """
+    totals: list[np.ndarray | None] = [None] * len(sums)
+    moved = 0
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for t, a in enumerate(sums):
+        by_dtype.setdefault(a.dtype, []).append(t)
+    for dtype, indices in by_dtype.items():
+        flat = np.concatenate([sums[t].reshape(-1) for t in indices]) if len(indices) > 1 else \
+            sums[indices[0]].reshape(-1).copy()
+        moved += flat.nbytes
+        if gloo.summable(dtype):
+            total = engine.all_reduce(flat, timeout)
+        else:
+            parts = engine.all_gather(flat.view(np.uint8), timeout)
+            total = parts[0].view(dtype).copy()
+            for part in parts[1:]:  # node order: the same additions on every node
+                np.add(total, part.view(dtype), out=total)
+        offset = 0
+        for t in indices:
+            size = sums[t].size
+            totals[t] = total[offset:offset + size].reshape(sums[t].shape)
+            offset += size
+    return totals, moved
 
 
 def _agree(headers: list[np.ndarray]) -> bool:
@@ -474,13 +536,14 @@ def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) 
 
 def _place(engine: Engine, total: np.ndarray, dests: tuple[int, ...], out: Mapping[int, np.ndarray] | None,
            route: str) -> Result:
+    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded."""
     arrays = []
     for d in dests:
-        buf = engine.backend.upload(d, total)
         if out is not None and d in out:
-            engine.backend.write(out[d], buf)
-            buf = out[d]
-        arrays.append(buf)
+            engine.backend.write(out[d], total)
+            arrays.append(out[d])
+        else:
+            arrays.append(engine.backend.upload(d, total))
     engine.backend.synchronize()
     return Result(tuple(dests), tuple(arrays), route if route != planner.IDENTITY else planner.HIERARCHICAL_COPY)
 

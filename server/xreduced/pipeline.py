@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import grpc
 from xreduce.wire import codec
-from xreduce.wire.contract import METHOD_PREFIX
+from xreduce.wire.contract import ANSWERED_METADATA, METHOD_PREFIX
 
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.errors import InvalidArgument, ServiceError, Unauthenticated
@@ -343,6 +343,7 @@ class CallPipeline(grpc.ServerInterceptor):
             log.exception("event=internal_error id=%d method=%s", call.id, call.name)
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {call.name}; see the daemon's log"
         call.code = code.name
+        context.set_trailing_metadata(((ANSWERED_METADATA, "1"),))
         context.abort(code, message)
 
     def _end(self, call: Call) -> None:

@@ -51,9 +51,14 @@ class RegionService:
         """
         session = self.regions.open_session()
         context.add_callback(lambda: self.regions.session_ended(session.id))
-        reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce)) if request.probe_shm_key else (
-            "no probe was sent")
-        log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], context.peer(),
+        peer = context.peer()
+        if not peer.startswith(_LOCAL_PEERS):  # RegisterRegion would refuse it: say so now, the SDK takes the wire
+            reason = f"regions are for callers on the daemon's host (a unix socket or loopback); this is {peer}"
+        elif request.probe_shm_key:
+            reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce))
+        else:
+            reason = "no probe was sent"
+        log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], peer,
                  reason is None)
         yield pb.OpenSessionResponse(session_id=session.id, shared_memory=reason is None,
                                      shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc)

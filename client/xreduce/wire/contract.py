@@ -29,6 +29,10 @@ METHODS: tuple[str, ...] = tuple(m.name for m in _SERVICE.methods)
 SESSION_METADATA = "x-xreduce-session"
 """The call metadata key that carries a session id: calls naming regions send it, the daemon checks it."""
 
+ANSWERED_METADATA = "x-xreduce-answered"
+"""A trailing metadata key the daemon sets on every error it answers itself: an UNAVAILABLE carrying it
+means something behind the daemon (a group's coordinator, a node) is unreachable, not the daemon."""
+
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 """Where the daemon listens, and the SDK looks last, when nothing else is said."""
 

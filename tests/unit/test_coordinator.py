@@ -1,0 +1,143 @@
+"""The coordinator of groups across nodes, in-process: membership, epochs, heartbeats, the engine's store."""
+
+import threading
+import time
+
+import pytest
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduced.coordinator import MAX_STORE_VALUE, Coordinator
+from xreduced.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+
+def node(node_id, address="127.0.0.1", devices=4, engines=("gloo",)):
+    return pb.NodeIdentity(node_id=node_id, address=address, devices=[f"CPU:{i}" for i in range(devices)],
+                           backend="numpy", engines=list(engines))
+
+
+def register_all(c, registrations, timeout=5.0):
+    """Registers (process_id, node, devices) concurrently; returns each process's reply or error."""
+    out = {}
+    count = len(registrations)
+
+    def one(pid, identity, devices):
+        try:
+            out[pid] = c.register(pb.RegisterRequest(group="job", num_processes=count, process_id=pid,
+                                                     node=identity, devices=devices), timeout)
+        except Exception as e:  # noqa: BLE001 -- the test looks at what each process got
+            out[pid] = e
+
+    threads = [threading.Thread(target=one, args=r) for r in registrations]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture
+def coordinator():
+    c = Coordinator(lambda name: f"{name}@here:1", peer_timeout=0.6, heartbeat_interval=0.1)
+    yield c
+    c.close()
+
+
+def test_nodes_are_ordered_by_their_lowest_process_and_devices_split_per_node(coordinator):
+    b, a = node("b"), node("a", address="10.0.0.1")
+    replies = register_all(coordinator, [(0, a, []), (1, b, []), (2, a, []), (3, b, ["CPU:3"])])
+    r = replies[0]
+    assert all(x.epoch == 1 and x.group == "job@here:1" and x.engine == "gloo" for x in replies.values())
+    assert [n.node_id for n in r.nodes] == ["a", "b"] and r.nodes[0].address == "10.0.0.1"
+    per_node = [[(p.process_id, list(p.devices)) for p in n.processes] for n in r.nodes]
+    assert per_node == [[(0, ["CPU:0", "CPU:1"]), (2, ["CPU:2", "CPU:3"])], [(1, ["CPU:0", "CPU:1"]), (3, ["CPU:3"])]]
+
+
+def test_one_node_needs_no_engine_and_a_second_registration_forms_a_new_epoch(coordinator):
+    first = register_all(coordinator, [(0, node("a"), []), (1, node("a"), [])])
+    assert first[0].engine == "" and first[0].epoch == 1
+    second = register_all(coordinator, [(0, node("a"), []), (1, node("a"), [])])
+    assert second[1].epoch == 2
+    state = coordinator.heartbeat("job@here:1", 1, "a")
+    assert not state.ok and state.epoch == 2 and "epoch 1 is over: the group is at epoch 2" in state.reason
+
+
+def test_a_node_without_the_engine_is_refused_naming_what_to_install(coordinator):
+    replies = register_all(coordinator, [(0, node("a"), []), (1, node("b", "10.0.0.2", engines=()), [])])
+    for reply in replies.values():
+        assert isinstance(reply, FailedPrecondition)
+        assert "node(s) [1] (10.0.0.2) cannot drive Gloo" in str(reply) and "xreduce[cluster]" in str(reply)
+
+
+def test_missing_processes_are_named_after_the_timeout(coordinator):
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 2\] to register"):
+        coordinator.register(pb.RegisterRequest(group="job", num_processes=3, process_id=0, node=node("a")), 0.3)
+    assert time.monotonic() - start < 5  # bounded by the timeout given, not forever
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"process_id": 0}, "process 0 registered twice"),
+    ({"num_processes": 3}, "process 1 says 3 but the processes registering for group 'job@here:1' said 2"),
+])
+def test_conflicting_registrations_are_refused(coordinator, change, message):
+    waiting = threading.Thread(target=lambda: pytest.raises(DeadlineExceeded, coordinator.register, pb.RegisterRequest(
+        group="job", num_processes=2, process_id=0, node=node("a")), 0.5))
+    waiting.start()
+    time.sleep(0.1)
+    fields = {"group": "job", "num_processes": 2, "process_id": 1, "node": node("b")} | change
+    with pytest.raises(InvalidArgument, match=message):
+        coordinator.register(pb.RegisterRequest(**fields), 0.5)
+    waiting.join()
+
+
+def test_a_device_the_node_lacks_is_refused(coordinator):
+    replies = register_all(coordinator, [(0, node("a", devices=2), ["CPU:5"])])
+    assert isinstance(replies[0], InvalidArgument) and "asked for 'CPU:5'" in str(replies[0])
+
+
+def test_a_silent_node_ends_the_epoch_and_is_named(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b", "10.0.0.2"), [])])
+    coordinator.heartbeat("job@here:1", 1, "b")  # node 1 beats once, then falls silent
+    deadline = time.monotonic() + 10
+    state = coordinator.heartbeat("job@here:1", 1, "a")
+    while state.ok and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = coordinator.heartbeat("job@here:1", 1, "a")  # node 0 keeps beating
+    assert not state.ok
+    assert "lost node 1 (10.0.0.2, processes [1])" in state.reason
+    assert [(p.node_index, list(p.process_ids)) for p in state.lost] == [(1, [1])]
+
+
+def test_a_node_not_yet_beating_is_not_lost(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
+    time.sleep(0.8)  # longer than the peer timeout: neither has beaten yet (their engines connect first)
+    assert coordinator.heartbeat("job@here:1", 1, "a").ok
+
+
+def test_a_closed_attendance_stream_ends_the_epoch_at_once(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b", "10.0.0.2"), [])])
+    coordinator.left("job@here:1", 1, "b")
+    state = coordinator.heartbeat("job@here:1", 1, "a")
+    assert not state.ok and "lost node 1 (10.0.0.2, processes [1]): its daemon's connection" in state.reason
+
+
+def test_a_report_ends_the_epoch_naming_the_reporter_and_the_process(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
+    state = coordinator.report_failure("job@here:1", 1, "b", "process 1 left", [1])
+    assert not state.ok and state.reason == "node 1 (127.0.0.1) reported: process 1 left"
+    assert list(state.lost[0].process_ids) == [1]
+
+
+def test_the_store_waits_bounded_and_goes_with_its_epoch(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
+    threading.Timer(0.1, coordinator.store_set, ("job@here:1", 1, "rank1", b"addr")).start()
+    assert coordinator.store_get("job@here:1", 1, "rank1", 5.0) == b"addr"
+    assert coordinator.store_add("job@here:1", 1, "n", 2) == 2 and coordinator.store_add("job@here:1", 1, "n", 3) == 5
+    with pytest.raises(DeadlineExceeded, match="'nothing' of epoch 1 was not set within 0.1s"):
+        coordinator.store_get("job@here:1", 1, "nothing", 0.1)
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_STORE_VALUE} bytes"):
+        coordinator.store_set("job@here:1", 1, "big", b"x" * (MAX_STORE_VALUE + 1))
+    with pytest.raises(Aborted, match="epoch 7 is over: the group is at epoch 1"):
+        coordinator.store_get("job@here:1", 7, "rank1", 0.1)
+    coordinator.report_failure("job@here:1", 1, "a", "bye", [])
+    with pytest.raises(Aborted, match="reported: bye"):
+        coordinator.store_get("job@here:1", 1, "rank1", 0.1)
