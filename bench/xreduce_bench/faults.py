@@ -138,7 +138,8 @@ class Worker:
       process's local devices (source 0 through the SDK, another through ``Broadcast`` itself);
     * ``strategy``: ``MirroredStrategy.run`` makes ``[replica_id + 1, num_replicas]`` on each
       replica and ``strategy.reduce(reduce_op)`` combines them;
-    * ``data_parallel``: ``DataParallel().all_reduce_gradients`` of ``[replica_id + 1]`` per replica.
+    * ``data_parallel``: ``DataParallel().all_reduce_gradients`` of ``[replica_id + 1]`` per replica;
+    * ``local``: a single-process reduce over the daemon's devices, outside any group.
     """
 
     def __init__(self):
@@ -239,6 +240,19 @@ class Worker:
             reply = client.broadcast(request)
         return [{"device": c.device, **encode(codec.decode(c.tensor))} for c in reply.result.components]
 
+    def local(self, step: dict) -> list[dict]:
+        """A single-process reduce of ``[i + 1] * 3`` on each device ``i`` of the daemon (no group)."""
+        from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
+
+        ops = HierarchicalCopyAllReduce()
+        try:
+            names = ops.client.device_names()
+            value = PerReplica([np.full(3, i + 1.0, np.float32) for i in range(len(names))], devices=names)
+            self.calling("local")
+            return _components(ops.reduce("SUM", value, value), names, False)
+        finally:
+            ops.close()
+
     def strategy(self, step: dict) -> dict:
         from xreduce.distribute import MirroredStrategy, get_replica_context
 
@@ -311,10 +325,11 @@ class NodeProcess:
         num_processes, process_id: its place in the job.
         steps: its script (see :class:`Worker`).
         env: more environment (e.g. ``XREDUCE_TOKEN``); the launcher's own SDK settings are not inherited.
+        prefix: what runs the interpreter (e.g. ``ip netns exec NODE``), or nothing.
     """
 
     def __init__(self, daemon: str, job_addresses: str, num_processes: int, process_id: int, steps: list[dict],
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()):
         full = {k: v for k, v in os.environ.items() if k not in CLEARED}
         full.update(PYTHONUNBUFFERED="1", XREDUCE_ADDRESS=daemon, KERAS_DISTRIBUTION_JOB_ADDRESSES=job_addresses,
                     KERAS_DISTRIBUTION_NUM_PROCESSES=str(num_processes),
@@ -322,7 +337,7 @@ class NodeProcess:
         full.update(env or {})
         self.process_id = process_id
         self.daemon = daemon
-        self.proc = subprocess.Popen([sys.executable, "-m", "xreduce_bench.faults", json.dumps(steps)],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "xreduce_bench.faults", json.dumps(steps)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=full)
         self.events: list[dict] = []
@@ -492,6 +507,73 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InNode:
+    """An ``xreduced`` started inside a network-namespace node (``node.popen``); ``address`` is where it
+    listens in there. Its log is collected by a thread, as :class:`~xreduce_bench.daemon.DaemonProcess` does.
+
+    Raises:
+        RuntimeError: it did not serve within ``timeout`` seconds (the message holds its log).
+    """
+
+    def __init__(self, node, flags: Sequence[str], timeout: float = 60.0):
+        self.proc = node.popen([sys.executable, "-m", "xreduced", *flags], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.lines: list[str] = []
+        self.address: str | None = None
+        serving = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if self.address is None and "event=serving address=" in line:
+                    self.address = line.split("event=serving address=", 1)[1].split()[0]
+                    serving.set()
+            serving.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not serving.wait(timeout) or self.address is None:
+            self.proc.kill()
+            raise RuntimeError(f"xreduced in {node} did not serve within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+class NamespaceCluster:
+    """Node daemons in the network-namespace nodes of :class:`xreduce_bench.netns.Nodes` (started): node
+    ``k`` of a job is ``nodes[k + 1]``, its daemon on the namespace's loopback with its engine on the
+    node's address, the coordinator on node 0's address. The same interface as :class:`Cluster` for
+    jobs (no restart: a fault here is a link, cut and restored).
+    """
+
+    DAEMON_PORT = 50551
+
+    def __init__(self, nodes, flags: Sequence[str]):
+        self.nodes = nodes
+        self.flags = list(flags)
+        self.daemons = [InNode(node, ["--listen", f"127.0.0.1:{self.DAEMON_PORT}", "--node-address", node.address,
+                                      *self.flags]) for node in nodes]
+        self._port = self.DAEMON_PORT
+        self.coordinator = self.new_job()
+
+    def address(self, node: int) -> str:
+        """Node ``node``'s daemon address, as its processes reach it (inside the node)."""
+        return self.daemons[node].address
+
+    def new_job(self) -> str:
+        """A fresh coordinator address on node 0 (a port of its own per job); returns it."""
+        self._port += 1
+        self.coordinator = f"{self.nodes[1].address}:{self._port}"
+        return self.coordinator
+
+    def launch(self, placement: Sequence[int], steps: list[dict] | Callable[[int], list[dict]],
+               env: dict[str, str] | None = None, coordinator: str | None = None) -> list[NodeProcess]:
+        """As :meth:`Cluster.launch`, each process inside its node."""
+        return [NodeProcess(self.address(node), coordinator or self.coordinator, len(placement), p,
+                            steps(p) if callable(steps) else steps, env, prefix=self.nodes[node + 1].command([]))
+                for p, node in enumerate(placement)]
 
 
 def footprint(pid: int) -> dict[str, float]:

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from daemons import Daemons
-from multinode import FAILS_WITHIN, FAST_PEERS, NODE_FLAGS, group_metrics, group_status, status
+from multinode import FAILS_WITHIN, FAST_PEERS, NODE_FLAGS, group_metrics, group_status, same_bytes, status
 from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
-from xreduce_bench.faults import Cluster, NodeProcess
+from xreduce_bench.faults import Cluster, NodeProcess, decode
 
 pytestmark = pytest.mark.slow
 
@@ -136,6 +136,86 @@ def _failed(event: dict, pid: int, since: float, names: list[str], bounded: bool
         assert event["t"] - since <= FAILS_WITHIN, f"{where} (bound: {FAILS_WITHIN} s)"
 
 
+def _lost_with_its_node(fault: Fault, pid: int) -> bool:
+    """Whether process ``pid`` hangs with a stopped daemon (its outcome comes once the daemon is killed)."""
+    return fault.stopped and PLACEMENT[pid] == fault.lost_node
+
+
+def _strike(cluster: Cluster, processes: list[NodeProcess], fault: Fault) -> float:
+    """Lets the in-flight processes into the collective, then applies the fault; returns when."""
+    time.sleep(fault.settle)
+    for pid in fault.in_flight:
+        processes[pid].go()
+    for pid in fault.in_flight:
+        processes[pid].calling(FAULTED)
+    if fault.victim is not None:
+        _waiting(cluster.address(PLACEMENT[fault.victim]), 1)
+    since = time.monotonic()
+    fault.apply(cluster, processes)
+    return since
+
+
+def _check_participants(cluster: Cluster, processes: list[NodeProcess], fault: Fault, since: float) -> None:
+    """Every participant still running fails, naming what was lost: those in the collective within the
+    bound, then those held back (which call after the fault)."""
+    for pid in fault.in_flight:
+        if pid != fault.victim and not _lost_with_its_node(fault, pid):
+            _failed(processes[pid].step(FAULTED, 60), pid, since, fault.names(cluster, pid, PLACEMENT))
+    for pid in fault.held:
+        processes[pid].go()
+    for pid in fault.held:
+        if not _lost_with_its_node(fault, pid):
+            _failed(processes[pid].step(FAULTED, 60), pid, since, fault.names(cluster, pid, PLACEMENT),
+                    bounded=False)
+
+
+def _check_survivor(cluster: Cluster, fault: Fault, gid: str, epoch: int) -> None:
+    """The surviving daemon serves a single-process reduce and reports the epoch failed, naming the loss."""
+    surviving = 1 - fault.lost_node if fault.victim is None else 0
+    address = cluster.address(surviving)
+    ones = PerReplica([np.ones(3, np.float32)] * 4, devices=[f"CPU:{d}" for d in range(4)])
+    assert HierarchicalCopyAllReduce(address=address).reduce("SUM", ones, ones).values[3].tolist() == [4.0] * 3
+    group = group_status(address, gid)
+    assert (group.epoch, group.state) == (epoch, "failed"), group
+    lost = {(p.node_index, pid) for p in group.lost for pid in p.process_ids}
+    if fault.victim is None:
+        assert lost == {(fault.lost_node, p) for p, n in enumerate(PLACEMENT) if n == fault.lost_node}, group
+    else:
+        assert lost == {(PLACEMENT[fault.victim], fault.victim)}, f"the status should name the lost process: {group}"
+    samples = group_metrics(cluster.daemons[surviving], gid)
+    assert (samples["xreduce_group_failed"], samples["xreduce_group_epoch"]) == (1.0, epoch), samples
+    assert samples["xreduce_group_lost_peers"] == len(group.lost), samples
+
+
+def _rejoin(cluster: Cluster, processes: list[NodeProcess], fault: Fault, epoch: int) -> None:
+    """The lost daemon or process starts again; every process initializes again: a new epoch that reduces."""
+    if fault.victim is None:
+        cluster.restart(fault.lost_node)
+    for pid, p in enumerate(processes):  # a stopped daemon's processes fail once it is gone
+        if _lost_with_its_node(fault, pid):
+            event = p.step(FAULTED, 60)
+            assert not event["ok"] and event["code"] == "UNAVAILABLE", event
+    if fault.victim is not None:
+        processes[fault.victim] = NodeProcess(cluster.address(PLACEMENT[fault.victim]), cluster.coordinator,
+                                              len(PLACEMENT), fault.victim, RESTARTED)
+    for pid, p in enumerate(processes):
+        if pid != fault.victim:
+            p.go()
+    inits, sums = [], []
+    for pid, p in enumerate(processes):
+        steps = {e["i"]: e for e in p.steps(120)}
+        first = 0 if pid == fault.victim else INIT_AGAIN
+        assert steps[first]["ok"] and steps[first + 1]["ok"], (pid, steps)
+        inits.append(steps[first]["result"])
+        sums.append(steps[first + 1]["result"][0])
+    assert len({i["epoch"] for i in inits}) == 1 and inits[0]["epoch"] > epoch, inits
+    assert [i["node_index"] for i in inits] == PLACEMENT
+    replicas = sum(len(i["replicas"]) for i in inits)
+    want = np.full(4, replicas * (replicas + 1) // 2, np.float32)
+    for pid, components in enumerate(sums):
+        assert same_bytes([decode(c) for c in components], want), (pid, components)
+
+
 @pytest.mark.parametrize("kind", FAULTS)
 def test_a_fault_mid_collective_fails_every_survivor_and_a_new_epoch_forms(cluster, kind):
     fault = FAULTS[kind]
@@ -143,74 +223,14 @@ def test_a_fault_mid_collective_fails_every_survivor_and_a_new_epoch_forms(clust
     try:
         warm = [p.step(WARM, 120) for p in processes]
         assert all(e["ok"] for e in warm), warm
-        epoch = processes[0].step(INIT)["result"]["epoch"]
-        gid = processes[0].step(INIT)["result"]["group"]
-        time.sleep(fault.settle)
-        for pid in fault.in_flight:
-            processes[pid].go()
-        for pid in fault.in_flight:
-            processes[pid].calling(FAULTED)
-        if fault.victim is not None:
-            _waiting(cluster.address(PLACEMENT[fault.victim]), 1)
-        since = time.monotonic()
-        fault.apply(cluster, processes)
-
-        survivors = [p for p in fault.in_flight if p != fault.victim
-                     and not (fault.stopped and PLACEMENT[p] == fault.lost_node)]
-        for pid in survivors:
-            _failed(processes[pid].step(FAULTED, 60), pid, since, fault.names(cluster, pid, PLACEMENT))
-        for pid in fault.held:
-            processes[pid].go()
-        for pid in fault.held:
-            if not (fault.stopped and PLACEMENT[pid] == fault.lost_node):
-                _failed(processes[pid].step(FAULTED, 60), pid, since, fault.names(cluster, pid, PLACEMENT),
-                        bounded=False)  # it called after the fault; its own bound starts then
-
-        surviving = 1 - fault.lost_node if fault.victim is None else 0
-        address = cluster.address(surviving)
-        ones = PerReplica([np.ones(3, np.float32)] * 4, devices=[f"CPU:{d}" for d in range(4)])
-        assert HierarchicalCopyAllReduce(address=address).reduce("SUM", ones, ones).values[3].tolist() == [4.0] * 3
-        group = group_status(address, gid)
-        assert (group.epoch, group.state) == (epoch, "failed"), group
-        lost = {(p.node_index, pid) for p in group.lost for pid in p.process_ids}
-        if fault.victim is None:
-            assert {n for n, _ in lost} == {fault.lost_node}, group
-            assert {pid for _, pid in lost} == {p for p, n in enumerate(PLACEMENT) if n == fault.lost_node}, group
-        else:
-            assert (PLACEMENT[fault.victim], fault.victim) in lost, f"the status does not name the lost process: {group}"
-        samples = group_metrics(cluster.daemons[surviving], gid)
-        assert (samples["xreduce_group_failed"], samples["xreduce_group_epoch"]) == (1.0, epoch), samples
-
-        if fault.victim is None:
-            cluster.restart(fault.lost_node)
-        for pid, p in enumerate(processes):  # a stopped daemon's processes fail once it is killed
-            if fault.stopped and PLACEMENT[pid] == fault.lost_node:
-                e = p.step(FAULTED, 60)
-                assert not e["ok"] and e["code"] == "UNAVAILABLE", e
-        if fault.victim is not None:
-            processes[fault.victim] = NodeProcess(cluster.address(PLACEMENT[fault.victim]), cluster.coordinator,
-                                                  len(PLACEMENT), fault.victim, RESTARTED)
-        for pid, p in enumerate(processes):
-            if pid != fault.victim:
-                p.go()
-        inits, agains = [], []
-        for pid, p in enumerate(processes):
-            steps = {e["i"]: e for e in p.steps(120)}
-            first = 0 if pid == fault.victim else INIT_AGAIN
-            assert steps[first]["ok"] and steps[first + 1]["ok"], (pid, steps)
-            inits.append(steps[first]["result"])
-            agains.append(steps[first + 1]["result"])
-        assert len({i["epoch"] for i in inits}) == 1 and inits[0]["epoch"] > epoch, inits
-        assert [i["node_index"] for i in inits] == PLACEMENT
-        replicas = sum(len(i["replicas"]) for i in inits)
-        want = np.full(4, replicas * (replicas + 1) / 2, np.float32)
-        for pid, result in enumerate(agains):
-            assert all(np.frombuffer(bytes.fromhex(c["hex"]), np.float32).tolist() == want.tolist()
-                       for c in result[0]), (pid, result)
+        info = processes[0].step(INIT)["result"]
+        since = _strike(cluster, processes, fault)
+        _check_participants(cluster, processes, fault, since)
+        _check_survivor(cluster, fault, info["group"], info["epoch"])
+        _rejoin(cluster, processes, fault, info["epoch"])
     finally:
         for p in processes:
             p.close()
-
 
 
 def test_a_node_stopped_before_its_first_heartbeat_is_lost_within_the_bound(cluster):
@@ -226,3 +246,25 @@ def test_a_node_stopped_before_its_first_heartbeat_is_lost_within_the_bound(clus
     finally:
         for p in processes:
             p.close()
+
+
+def test_a_restarted_coordinator_forms_an_epoch_the_old_one_cannot_be_taken_for(cluster):
+    """After the coordinator's daemon restarts, the new epoch's number is not the old one's: a collective of
+    the old epoch must stay refused."""
+    script = [{"op": "init"}, _small("before"), {"op": "barrier"}, {"op": "shutdown"}, {"op": "init"},
+              _small("after")]
+    processes = cluster.launch([0, 1], script)
+    try:
+        assert all(p.step(1, 120)["ok"] for p in processes)
+        old = processes[0].step(0)["result"]["epoch"]
+        cluster.daemons[0].proc.send_signal(signal.SIGKILL)
+        cluster.restart(0)
+        for p in processes:
+            p.go()
+        again = [p.steps(120) for p in processes]
+    finally:
+        for p in processes:
+            p.close()
+    assert all(e["ok"] for events in again for e in events[3:]), again
+    epochs = sorted({events[4]["result"]["epoch"] for events in again})
+    assert len(epochs) == 1 and epochs[0] > old, f"epoch {old} before the restart, {epochs} after"

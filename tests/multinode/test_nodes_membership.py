@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def _reduce(seed: int) -> dict:
-    return {"op": "reduce", "seed": seed, "num_packs": 0, "tensors": [{"dtype": "int32", "shape": [6]}, {"dtype": "float64",
-                                                                                      "shape": [2, 2]}]}
+    return {"op": "reduce", "seed": seed, "num_packs": 0,
+            "tensors": [{"dtype": "int32", "shape": [6]}, {"dtype": "float64", "shape": [2, 2]}]}
 
 
 def _check_sums(events: list[list[dict]], steps: dict[int, int], replicas: int) -> None:

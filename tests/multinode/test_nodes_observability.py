@@ -35,7 +35,7 @@ def test_status_and_metrics_of_a_group_after_reduces(nodes):
         assert [list(n.processes[0].devices) for n in group.nodes] == [[f"CPU:{d}" for d in range(4)]] * 2, where
         assert not group.lost and not group.reason, where
         assert group.cross_node_collectives >= 2, where
-        assert group.cross_node_bytes >= 2 * 4 * ELEMENTS, where  # both nodes' sums of the first reduce
+        assert group.cross_node_bytes >= 4 * ELEMENTS, where  # the node sum of the first reduce crossed
         assert sample["xreduce_group_epoch"] == epoch and sample["xreduce_group_nodes"] == 2, sample
         assert (sample["xreduce_group_failed"], sample["xreduce_group_lost_peers"]) == (0, 0), sample
         assert sample["xreduce_cross_node_bytes_total"] == group.cross_node_bytes, (sample, where)

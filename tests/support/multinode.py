@@ -10,13 +10,15 @@ process must get are computed here from the inputs alone, with numpy:
   inputs are small integers, whatever the order of the additions;
 * :func:`planned_total`: in the dtype, in the order the design fixes: each node sums its replicas
   with TF's hierarchical copy (the first half and the second half, each a left fold, then their
-  sum), then the node sums are added in node order ``((node 0 + node 1) + node 2) ...``;
+  sum), then the node sums are added in node order ``((node 0 + node 1) + node 2) ...`` (what two
+  nodes get; with more, Gloo's ring adds the node sums in an order of its own: :func:`every_order`);
 * :func:`mean_of`: MEAN divides once, by the global replica count, as TF divides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pathlib
 import re
@@ -74,7 +76,7 @@ class Job:
     def outcomes(self, name: str) -> list[dict]:
         """Each process's event of its step called ``name``."""
         out = []
-        for pid, (script, events) in enumerate(zip(self.scripts, self.events)):
+        for script, events in zip(self.scripts, self.events):
             index = next(i for i, step in enumerate(script) if step.get("name") == name)
             out.append(next(e for e in events if e["i"] == index))
         return out
@@ -173,6 +175,18 @@ def node_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
 def planned_total(node_arrays: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
     """The nodes' sums added in node order, every addition in the dtype."""
     return _fold([node_sum(arrays) for arrays in node_arrays])
+
+
+def every_order(node_arrays: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """The nodes' sums added in every order, every addition in the dtype: a sum across nodes must equal,
+    element by element, one of them.
+
+    Example:
+        >>> [t.tolist() for t in every_order([[np.float16([2048])], [np.float16([1])], [np.float16([1])]])]
+        [[2048.0], [2048.0], [2048.0], [2050.0], [2048.0], [2050.0]]
+    """
+    sums = [node_sum(arrays) for arrays in node_arrays]
+    return [_fold([sums[i] for i in order]) for order in itertools.permutations(range(len(sums)))]
 
 
 def mean_of(total: np.ndarray, count: int) -> np.ndarray:
