@@ -99,7 +99,12 @@ def encode(array: np.ndarray, digest_only: bool = False) -> dict:
 
 
 def decode(d: dict) -> np.ndarray:
-    """The array :func:`encode` wrote (with its bytes)."""
+    """The array :func:`encode` wrote (with its bytes).
+
+    Example:
+        >>> decode({"dtype": "bfloat16", "shape": [], "hex": "803f"}).item()
+        1.0
+    """
     return np.frombuffer(bytes.fromhex(d["hex"]), dtype=numpy_dtype(d["dtype"])).reshape(d["shape"])
 
 
@@ -145,17 +150,20 @@ class Worker:
     def __init__(self):
         self.i = 0
 
-    def _group(self):
-        from xreduce._runtime import process_group
-
-        group = process_group()
-        if group is None:
-            raise RuntimeError("this step needs a group: run an init step first")
-        return group
-
     def _replicas(self) -> list[int]:
-        group = self._group()
-        return [group.replica_offset + i for i in range(len(group.local_devices))]
+        """This process's global replica ids: its devices' places in the job's device list."""
+        from xreduce import distribution
+
+        info = distribution.process_info()
+        if info is None:
+            raise RuntimeError("this step needs a group: run an init step first")
+        return [info.devices.index(d) for d in info.local_devices]
+
+    def _local(self) -> list[str]:
+        """This process's devices, as its daemon names them (what its calls send)."""
+        from xreduce.distribute import MirroredStrategy
+
+        return list(MirroredStrategy().extended.worker_devices)
 
     def calling(self, op: str) -> None:
         """Says that the step's daemon call starts now (``t`` is ``time.monotonic()``, system-wide)."""
@@ -169,7 +177,7 @@ class Worker:
                 "node_index": info.node_index, "num_nodes": info.num_nodes, "engine": info.engine,
                 "devices": list(info.devices), "local_devices": list(info.local_devices),
                 "list_devices": distribution.list_devices(), "replicas": self._replicas(),
-                "daemon_devices": list(self._group().local_devices)}
+                "daemon_devices": self._local()}
 
     def shutdown(self, step: dict) -> None:
         from xreduce import distribution
@@ -182,7 +190,7 @@ class Worker:
     def reduce(self, step: dict) -> list[list[dict]]:
         from xreduce.distribute import PerReplica
 
-        local = list(self._group().local_devices)
+        local = self._local()
         values = [PerReplica([replica_array(step.get("seed", 0), t, r, spec["dtype"], spec["shape"],
                                             step.get("fill", "int")) for r in self._replicas()], devices=local)
                   for t, spec in enumerate(step["tensors"])]
@@ -193,7 +201,7 @@ class Worker:
 
         arrays = np.load(step["npz"])
         values = [PerReplica([arrays[k] for k in v["keys"]], devices=v["devices"]) for v in step["values"]]
-        return self._reduce(step, values, list(self._group().local_devices))
+        return self._reduce(step, values, self._local())
 
     def _reduce(self, step: dict, values: list, local: list[str]) -> list[list[dict]]:
         from xreduce.distribute import CommunicationOptions, HierarchicalCopyAllReduce
@@ -212,16 +220,16 @@ class Worker:
         return [_components(out, local, step.get("digest", False)) for out in outs]
 
     def broadcast(self, step: dict) -> list[dict]:
-        from xreduce import Client
+        from xreduce import Client, distribution
+        from xreduce._runtime import process_group
         from xreduce.distribute import HierarchicalCopyAllReduce
         from xreduce.v1 import xreduce_pb2 as pb
         from xreduce.wire import codec
 
-        group = self._group()
-        local = list(group.local_devices)
+        local = self._local()
         source = step.get("source", 0)
         tensor = replica_array(step.get("seed", 0), 0, source, step["dtype"], step["shape"], step.get("fill", "int"))
-        mine = tensor if group.process_id == source else None
+        mine = tensor if distribution.process_id() == source else None
         if source == 0:
             ops = HierarchicalCopyAllReduce()
             self.calling("broadcast")
@@ -229,8 +237,9 @@ class Worker:
                 return _components(ops.broadcast(mine, local), local, False)
             finally:
                 ops.close()
-        # The SDK's broadcast sends from process 0; the RPC takes any source process.
-        spec = group.next_spec()
+        # The SDK's broadcast sends from process 0; the RPC takes any source process, in the group's
+        # next collective (the SDK's runtime numbers them).
+        spec = process_group().next_spec()
         request = pb.BroadcastRequest(destinations=local, collective=spec, source_process=source)
         if mine is not None:
             request.tensor.CopyFrom(codec.encode(mine))
@@ -431,9 +440,12 @@ class Cluster:
         env: each daemon's extra environment, by node (e.g. a PYTHONPATH), or None.
 
     Example:
-        >>> with Cluster(2, ["--backend", "numpy", "--virtual-devices", "1"]) as c:
-        ...     len({c.address(0), c.address(1)}), c.coordinator.startswith("127.0.0.1:")
-        (2, True)
+        >>> with Cluster(1, ["--backend", "numpy", "--virtual-devices", "2"]) as c:
+        ...     (process,) = c.launch([0], [{"op": "local"}])  # one process on node 0, no group
+        ...     (event,) = process.steps()
+        ...     process.close()
+        >>> event["ok"], [decode(component).tolist() for component in event["result"]]
+        (True, [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]])
     """
 
     def __init__(self, nodes: int, flags: Sequence[str], start: Callable[..., DaemonProcess] | None = None,

@@ -19,9 +19,10 @@ def start_session_daemon():
 def three_nodes(start_session_daemon) -> Cluster:
     """Three node daemons of 4 devices each, with Prometheus metrics and a 20 s collective timeout,
     shared by the session's jobs: a job of two nodes uses nodes 0 and 1. Each job has its own
-    coordinator address (``new_job()``)."""
-    return Cluster(3, [*NODE_FLAGS, "--metrics-listen", "127.0.0.1:0", "--collective-timeout", "20"],
-                   start=start_session_daemon)
+    coordinator address (``new_job()``). A join a test abandoned may still wait at the end: they stop
+    after a grace of 1 s."""
+    return Cluster(3, [*NODE_FLAGS, "--metrics-listen", "127.0.0.1:0", "--collective-timeout", "20",
+                       "--grace-seconds", "1"], start=start_session_daemon)
 
 
 @pytest.fixture

@@ -40,11 +40,13 @@ EDGES = [("float32", []), ("int64", []), ("float32", [0]), ("complex64", [2, 0])
 """Scalars and empty tensors: their shapes must survive the trip across nodes."""
 RANDOM = [("float16", [64]), ("bfloat16", [64]), ("float32", [257]), ("float64", [33]), ("complex64", [16])]
 JOBS = {
-    "2-nodes-2+1": ([0, 0, 1], [0, 1, 2]),
-    "3-nodes-1+4+1": ([0, 1, 2, 1, 1, 1], [0, 2, 4]),
+    "2-nodes-2+1-wire": ([0, 0, 1], [0, 1, 2], "wire"),
+    "3-nodes-1+4+1-shm": ([0, 1, 2, 1, 1, 1], [0, 2, 4], "shm"),
 }
-"""Job: (the node of each process, the broadcasts' source processes). In the second, processes 1, 3, 4
-and 5 share node 1 (one device each) and node 2 hosts process 2: nodes go by lowest process id."""
+"""Job: (the node of each process, the broadcasts' source processes, the SDK's transport: tensors in the
+messages, or in shared memory with the results written into the processes' output regions). In the
+second, processes 1, 3, 4 and 5 share node 1 (one device each) and node 2 hosts process 2: nodes go by
+lowest process id."""
 
 
 def script(sources: list[int]) -> list[dict]:
@@ -78,9 +80,10 @@ def script(sources: list[int]) -> list[dict]:
 def jobs(three_nodes) -> dict[str, Job]:
     """Each job of :data:`JOBS`, run once for the module's tests (a job of two nodes on nodes 0 and 1)."""
     out = {}
-    for name, (placement, sources) in JOBS.items():
+    for name, (placement, sources, transport) in JOBS.items():
         three_nodes.new_job()
-        out[name] = run_named(three_nodes, placement, lambda p, s=sources: script(s))
+        out[name] = run_named(three_nodes, placement, lambda p, s=sources: script(s),
+                              env={"XREDUCE_TRANSPORT": transport})
     return out
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -93,19 +96,30 @@ def test_two_jobs_on_the_same_daemons_do_not_mix(three_nodes):
             assert group_status(address, gid).state == "active"
 
 
-def test_a_process_pointed_at_the_coordinators_port_is_told_it_is_no_daemon(nodes):
-    """Process 1's XREDUCE_ADDRESS is the job's first address (the coordinator's Peers port), not its daemon."""
-    coordinator = nodes.coordinator
-    first = NodeProcess(nodes.address(0), coordinator, 2, 0, [{"op": "init"}])
-    try:
-        first.wait_for(lambda e: e.get("event") == "ready")
-        misled = NodeProcess(coordinator, coordinator, 2, 1, [{"op": "init"}])
+def _until_listening(address: str, timeout: float = 60.0) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            (event,) = misled.steps(120)
-        finally:
-            misled.close()
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens at {address}"
+            time.sleep(0.05)
+
+
+def test_a_process_pointed_at_the_coordinators_port_is_told_it_is_no_daemon(start_daemon):
+    """Process 1's XREDUCE_ADDRESS is the job's first address (the coordinator's Peers port), not its daemon."""
+    node = start_daemon("--listen", "127.0.0.1:0", *NODE_FLAGS, "--collective-timeout", "3")
+    coordinator = free_address()
+    first = NodeProcess(node.address, coordinator, 2, 0, [{"op": "init"}])
+    try:
+        _until_listening(coordinator)  # process 0's daemon serves the coordinator while process 0 joins
+        misled = NodeProcess(coordinator, coordinator, 2, 1, [{"op": "init"}])
+        (event,), (waited,) = finish([misled, first])
     finally:
         first.close()
+    assert not waited["ok"] and "[1]" in waited["message"], waited  # process 0 was told who is missing
     assert not event["ok"]
     assert coordinator in event["message"] and "daemon" in event["message"], event["message"]
 
