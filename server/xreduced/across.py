@@ -138,8 +138,9 @@ def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list,
     one crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the
     whole tensor's does. Returns (totals on the host, bytes moved).
     """
-    large = [t for t, (v, _) in enumerate(joined)
-             if v.arrays[0].nbytes > PIPELINE_BYTES and gloo.summable(v.arrays[0].dtype)]
+    large = [t for t, (v, _) in enumerate(joined)  # host arrays only: a GPU's node sum crosses whole
+             if isinstance(v.arrays[0], np.ndarray) and v.arrays[0].nbytes > PIPELINE_BYTES
+             and gloo.summable(v.arrays[0].dtype)]
     rest = [t for t in range(len(joined)) if t not in large]
     totals: list[np.ndarray | None] = [None] * len(joined)
     moved = 0
