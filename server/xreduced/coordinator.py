@@ -45,6 +45,7 @@ class _Registration:
     process_id: int
     node: pb.NodeIdentity
     devices: tuple[str, ...]
+    last_epoch: int = 0
 
 
 @dataclasses.dataclass
@@ -139,7 +140,7 @@ class Coordinator:
             if not group.round:
                 group.formed = threading.Event()
                 group.round_error = None
-            group.round[pid] = _Registration(pid, request.node, tuple(request.devices))
+            group.round[pid] = _Registration(pid, request.node, tuple(request.devices), request.last_epoch)
             formed = group.formed
             if len(group.round) == count:
                 try:
@@ -196,7 +197,8 @@ class Coordinator:
                     f"node(s) {without} ({', '.join(nodes[i].address for i in without)}) cannot drive Gloo: "
                     "pip install 'xreduce[cluster]' (torch) on every node")
             engine = "gloo"
-        group.last_epoch += 1
+        # Above any epoch a node has seen: this coordinator may have restarted since.
+        group.last_epoch = max(group.last_epoch, *(r.last_epoch for r in group.round.values())) + 1
         epoch = _Epoch(group.last_epoch, nodes, {n.node_id: n.index for n in nodes}, engine, {})
         log.info("event=epoch_formed group=%s epoch=%d nodes=%d processes=%d engine=%s", group.name,
                  epoch.number, len(nodes), group.num_processes, engine or "none")

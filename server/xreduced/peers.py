@@ -117,8 +117,11 @@ class Peers:
         node_address = self.config.node_address or route_address(host, port)
         stub = self._stub(coordinator)
         engines = ["gloo"] if gloo.unavailable_reason() is None else []
+        with self._lock:
+            seen = self._groups.get(gid)
         request = pb.RegisterRequest(
             group=name, num_processes=num_processes, process_id=process_id,
+            last_epoch=seen.epoch if seen is not None else 0,
             node=pb.NodeIdentity(node_id=self.node_id, address=node_address, devices=self.devices,
                                  backend=self.backend, engines=engines),
             devices=[DeviceName.parse(d).short for d in devices])

@@ -141,3 +141,18 @@ def test_the_store_waits_bounded_and_goes_with_its_epoch(coordinator):
     coordinator.report_failure("job@here:1", 1, "a", "bye", [])
     with pytest.raises(Aborted, match="reported: bye"):
         coordinator.store_get("job@here:1", 1, "rank1", 0.1)
+
+
+def test_a_restarted_coordinator_numbers_its_epoch_above_any_a_node_has_seen(coordinator):
+    out = {}
+
+    def one(pid, last):
+        out[pid] = coordinator.register(pb.RegisterRequest(group="job", num_processes=2, process_id=pid,
+                                                           node=node(f"n{pid}"), last_epoch=last), 5.0)
+
+    threads = [threading.Thread(target=one, args=(0, 0)), threading.Thread(target=one, args=(1, 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0].epoch == out[1].epoch == 6
