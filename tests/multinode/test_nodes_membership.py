@@ -1,0 +1,146 @@
+"""Who is in a group across nodes: epochs, jobs side by side, processes and daemons that cannot take part."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from multinode import NODE_FLAGS, exact_total, finish, group_status, inputs, results, same_bytes, without_torch
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import codec
+from xreduce_bench.faults import NodeProcess, decode, free_address
+
+pytestmark = pytest.mark.slow
+
+
+def _reduce(seed: int) -> dict:
+    return {"op": "reduce", "seed": seed, "num_packs": 0,
+            "tensors": [{"dtype": "int32", "shape": [6]}, {"dtype": "float64", "shape": [2, 2]}]}
+
+
+def _check_sums(events: list[list[dict]], steps: dict[int, int], replicas: int) -> None:
+    """Step ``i`` of every process is the exact sum of seed ``steps[i]`` over ``replicas`` replicas."""
+    for i, seed in steps.items():
+        want = [exact_total(inputs(seed, t, range(replicas), d, s, "int"))
+                for t, (d, s) in enumerate([("int32", [6]), ("float64", [2, 2])])]
+        for pid, process in enumerate(events):
+            event = process[i]
+            assert event["ok"], (pid, event)
+            for components, expected in zip(event["result"], want):
+                assert same_bytes([decode(c) for c in components], expected), (pid, i)
+
+
+def test_initializing_again_forms_a_new_epoch_and_the_old_epoch_is_refused(nodes):
+    script = [{"op": "init"}, _reduce(1), {"op": "barrier"}, {"op": "shutdown"}, {"op": "init"}, _reduce(2),
+              {"op": "barrier"}]
+    processes = nodes.launch([0, 1], script)
+    try:
+        first = [p.step(0, 120) for p in processes]
+        for p in processes:
+            p.go()
+        second = [p.step(4, 120) for p in processes]
+        for p in processes:
+            p.step(5, 120)
+        old = {e["result"]["epoch"] for e in first}
+        new = {e["result"]["epoch"] for e in second}
+        gid = first[0]["result"]["group"]
+        assert len(old) == len(new) == 1 and new.pop() > (epoch := old.pop()), (first, second)
+        assert {e["result"]["group"] for e in first + second} == {gid}, "a new epoch, the same group"
+        current = group_status(nodes.address(0), gid)
+        assert (current.state, current.epoch) == ("active", epoch + 1)
+        for pid in (0, 1):
+            value = pb.DistributedValue(components=[pb.Component(device="CPU:0",
+                                                                 tensor=codec.encode(np.ones(2, np.float32)))])
+            request = pb.BatchReduceRequest(
+                reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(value=value)],
+                collective=pb.CollectiveSpec(group=gid, num_processes=2, process_id=pid, sequence=7, epoch=epoch))
+            with grpc.insecure_channel(nodes.address(pid)) as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    pb_grpc.CrossDeviceOpsStub(channel).BatchReduce(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value
+            assert f"epoch {epoch} but the group is at epoch {epoch + 1}" in refused.value.details()
+        for p in processes:
+            p.go()
+        events = [p.steps(60) for p in processes]
+    finally:
+        for p in processes:
+            p.close()
+    _check_sums(events, {1: 1, 5: 2}, replicas=8)
+
+
+def test_two_jobs_on_the_same_daemons_do_not_mix(three_nodes):
+    """Two jobs, both of group "default", on nodes 0 and 1 at once: one's coordinator on node 0, the other's
+    on node 1."""
+    script = [{"op": "init"}, _reduce(10), _reduce(11), {"op": "strategy", "reduce_op": "SUM"}]
+    other = [{"op": "init"}, _reduce(20), _reduce(21), {"op": "strategy", "reduce_op": "SUM"}]
+    first = three_nodes.launch([0, 1], script, coordinator=free_address())
+    second = three_nodes.launch([1, 0], other, coordinator=free_address())
+    try:
+        events = [[p.steps(120) for p in first], [p.steps(120) for p in second]]
+    finally:
+        for p in first + second:
+            p.close()
+    gids = [{e[0]["result"]["group"] for e in job} for job in events]
+    assert all(len(g) == 1 for g in gids) and gids[0] != gids[1], gids
+    _check_sums(events[0], {1: 10, 2: 11}, replicas=8)
+    _check_sums(events[1], {1: 20, 2: 21}, replicas=8)
+    for job in events:
+        assert [results(process)[3]["reduced"][0]["hex"] for process in job] == [
+            np.array([36.0, 64.0]).tobytes().hex()] * 2
+    for address in (three_nodes.address(0), three_nodes.address(1)):
+        for (gid,) in gids:
+            assert group_status(address, gid).state == "active"
+
+
+def test_a_process_pointed_at_the_coordinators_port_is_told_it_is_no_daemon(nodes):
+    """Process 1's XREDUCE_ADDRESS is the job's first address (the coordinator's Peers port), not its daemon."""
+    coordinator = nodes.coordinator
+    first = NodeProcess(nodes.address(0), coordinator, 2, 0, [{"op": "init"}])
+    try:
+        first.wait_for(lambda e: e.get("event") == "ready")
+        misled = NodeProcess(coordinator, coordinator, 2, 1, [{"op": "init"}])
+        try:
+            (event,) = misled.steps(120)
+        finally:
+            misled.close()
+    finally:
+        first.close()
+    assert not event["ok"]
+    assert coordinator in event["message"] and "daemon" in event["message"], event["message"]
+
+
+def test_process_0_whose_daemon_is_not_on_the_coordinators_host_is_told_so(nodes):
+    elsewhere = "192.0.2.1:" + free_address().rpartition(":")[2]  # TEST-NET-1: never this machine's
+    process = NodeProcess(nodes.address(0), elsewhere, 2, 0, [{"op": "init"}])
+    try:
+        (event,) = process.steps(120)
+    finally:
+        process.close()
+    assert not event["ok"] and event["code"] == "FAILED_PRECONDITION", event
+    assert elsewhere in event["message"] and "job_addresses[0]" in event["message"], event["message"]
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_a_daemon_without_torch_refuses_a_group_across_nodes(nodes, start_daemon, tmp_path, how):
+    """Node 1's daemon cannot import torch: every process of the group is told what to install."""
+    node1 = start_daemon("--listen", "127.0.0.1:0", *NODE_FLAGS, "--collective-timeout", "20",
+                         env=without_torch(tmp_path, how))
+    processes = [NodeProcess(nodes.address(0), nodes.coordinator, 2, 0, [{"op": "init"}]),
+                 NodeProcess(node1.address, nodes.coordinator, 2, 1, [{"op": "init"}])]
+    try:
+        events = [p.steps(120)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.close()
+    for pid, event in enumerate(events):
+        assert not event["ok"] and event["code"] == "FAILED_PRECONDITION", (pid, event)
+        assert "xreduce[cluster]" in event["message"], (pid, event["message"])
+
+
+def test_a_daemon_without_torch_still_serves_a_group_of_one_node(start_daemon, tmp_path):
+    daemon = start_daemon("--listen", "127.0.0.1:0", *NODE_FLAGS, env=without_torch(tmp_path, "missing"))
+    coordinator = free_address()
+    events = finish([NodeProcess(daemon.address, coordinator, 2, p, [{"op": "init"}, _reduce(3)]) for p in range(2)])
+    assert [results(e)[0]["num_nodes"] for e in events] == [1, 1]
+    _check_sums(events, {1: 3}, replicas=4)
