@@ -162,7 +162,7 @@ def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list,
     if rest:
         local = engine.batch_reduce(SUM, [joined[t] for t in rest], num_packs=ref.num_packs,
                                     algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline)
-        sums, n = sum_across(gloo_engine, [np.ascontiguousarray(engine.backend.to_host(r.arrays[0]))
+        sums, n = sum_across(gloo_engine, [np.asarray(engine.backend.to_host(r.arrays[0]), order="C")
                                            for r in local], timeout)
         for t, total in zip(rest, sums):
             totals[t] = total
@@ -195,7 +195,7 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
             array = shares[source_pid].array
             if array is None:
                 raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
-            array = np.ascontiguousarray(engine.backend.to_host(array))
+            array = np.asarray(engine.backend.to_host(array), order="C")
             mine = header(_OK, signature("Broadcast", source_pid), 0, array.nbytes, array.dtype, array.shape)
         else:
             mine = header(_OK, signature("Broadcast", source_pid))

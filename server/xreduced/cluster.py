@@ -76,6 +76,13 @@ class ClusterGroup:
         if self._stream is not None:
             threading.Thread(target=self._attend, name="xreduced-attend", daemon=True).start()
 
+    def connect(self, engine: gloo.GlooEngine) -> None:
+        """Takes the epoch's engine, connected; a failure since closes it at once."""
+        self.engine = engine
+        if self.failed.is_set():
+            engine.close()
+            raise self.error()
+
     @property
     def spans_nodes(self) -> bool:
         """Whether the group has more than one node."""
@@ -110,6 +117,10 @@ class ClusterGroup:
         text = f'group "{self.gid}" epoch {self.epoch} is over: {self.reason}{again}'
         lost_coordinator = any(p.node_index == 0 for p in self.lost) and not self.hosted
         return Unavailable(text) if lost_coordinator else Aborted(text)
+
+    def abandoned(self) -> ServiceError | None:
+        """The epoch's error once it has failed (the rendezvous asks while this node's processes wait), else None."""
+        return self.error() if self.failed.is_set() else None
 
     def check(self, epoch: int, label: str) -> None:
         """Refuses a collective of another epoch, or of this epoch once it has failed."""

@@ -25,7 +25,7 @@ from xreduced import gloo, security
 from xreduced.cluster import ClusterGroup
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
-from xreduced.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from xreduced.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 
 log = logging.getLogger("xreduced.peers")
 
@@ -158,54 +158,66 @@ class Peers:
         if old is not None:
             old.fail(f"epoch {epoch} replaced it")
             old.close()
-        engine = None
-        if len(nodes) > 1:
-            if reply.engine != "gloo" or gloo.unavailable_reason() is not None:
-                raise FailedPrecondition(f"group {gid!r} spans {len(nodes)} nodes, which needs the engine "
-                                         f"{reply.engine or 'gloo'}: {gloo.unavailable_reason()}")
-
-            def store_call(method, request, seconds=timeout):
-                return self._call(method, request, seconds + 5.0, coordinator, "reach", engine_error=True)
-
-            def set_(key, value):
-                store_call(stub.StoreSet, pb.StoreSetRequest(group=gid, epoch=epoch, key=key, value=value))
-
-            def get(key, seconds):
-                request = pb.StoreGetRequest(group=gid, epoch=epoch, key=key)
-                request.timeout.FromNanoseconds(int(seconds * 1e9))
-                return store_call(stub.StoreGet, request, seconds).value
-
-            def add(key, amount):
-                return store_call(stub.StoreAdd, pb.StoreAddRequest(group=gid, epoch=epoch, key=key,
-                                                                    amount=amount)).value
-
-            store = (set_, get, add)
-            try:
-                engine = gloo.GlooEngine(store, index, len(nodes), node_address, timeout)
-            except gloo.EngineError as e:
-                raise Unavailable(f"group {gid!r} epoch {epoch}: {e}") from None
+        interval = max(reply.heartbeat_interval_seconds, 0.5)
 
         def beat():
             return stub.Heartbeat(pb.HeartbeatRequest(group=gid, epoch=epoch, node_id=self.node_id),
-                                  timeout=max(reply.heartbeat_interval_seconds, 0.5), metadata=self._metadata).state
+                                  timeout=interval, metadata=self._metadata).state
 
         def report(reason, process_ids):
             stub.ReportFailure(pb.ReportFailureRequest(group=gid, epoch=epoch, node_id=self.node_id, reason=reason,
                                                        process_ids=process_ids),
-                               timeout=max(reply.heartbeat_interval_seconds, 0.5), metadata=self._metadata)
+                               timeout=interval, metadata=self._metadata)
 
         def attend():
             return stub.Attend(pb.AttendRequest(group=gid, epoch=epoch, node_id=self.node_id), metadata=self._metadata)
 
+        # The heartbeats start before the engine connects: a node that stops while it connects is lost too.
         count = sum(len(n.processes) for n in nodes)
-        cluster = ClusterGroup(gid, count, epoch, index, nodes, engine, coordinator, beat, report,
+        cluster = ClusterGroup(gid, count, epoch, index, nodes, None, coordinator, beat, report,
                                reply.peer_timeout_seconds, reply.heartbeat_interval_seconds,
                                hosted=coordinator in self._servers, attend=attend)
+        if len(nodes) > 1:
+            try:
+                cluster.connect(self._engine(reply, stub, coordinator, index, node_address, timeout))
+            except ServiceError as e:
+                cluster.fail(f"{cluster.describe(index)} could not connect the engine: {e}", report=True)
+                cluster.close()
+                raise
         with self._lock:
             self._groups[gid] = cluster
         log.info("event=group_joined group=%s epoch=%d node=%d nodes=%d engine=%s", gid, epoch, index, len(nodes),
                  reply.engine or "none")
         return cluster
+
+    def _engine(self, reply: pb.RegisterResponse, stub, coordinator: str, index: int, node_address: str,
+                timeout: float) -> gloo.GlooEngine:
+        """The epoch's engine, connected to every node's through the coordinator's store."""
+        gid, epoch = reply.group, reply.epoch
+        reason = gloo.unavailable_reason()
+        if reply.engine != "gloo" or reason is not None:
+            raise FailedPrecondition(f"group {gid!r} spans {len(reply.nodes)} nodes, which needs the engine "
+                                     f"{reply.engine or 'gloo'}: {reason}")
+
+        def store_call(method, request, seconds=timeout):
+            return self._call(method, request, seconds + 5.0, coordinator, "reach", engine_error=True)
+
+        def set_(key, value):
+            store_call(stub.StoreSet, pb.StoreSetRequest(group=gid, epoch=epoch, key=key, value=value))
+
+        def get(key, seconds):
+            request = pb.StoreGetRequest(group=gid, epoch=epoch, key=key)
+            request.timeout.FromNanoseconds(int(seconds * 1e9))
+            return store_call(stub.StoreGet, request, seconds).value
+
+        def add(key, amount):
+            return store_call(stub.StoreAdd, pb.StoreAddRequest(group=gid, epoch=epoch, key=key,
+                                                                amount=amount)).value
+
+        try:
+            return gloo.GlooEngine((set_, get, add), index, len(reply.nodes), node_address, timeout)
+        except gloo.EngineError as e:
+            raise Unavailable(f"group {gid!r} epoch {epoch}: {e}") from None
 
     def _serve_coordinator(self, address: str, gid: str) -> None:
         with self._lock:

@@ -457,11 +457,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 group.key, group.label, group.num_processes, group.process_id, share,
                 max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
                 expected=cluster.local if cluster is not None else None,
+                abandoned=cluster.abandoned if cluster is not None and cluster.spans_nodes else None,
             )
         except ServiceError as e:
             if cluster is not None and cluster.spans_nodes and not cluster.entered(group.sequence):
                 # The other nodes would wait for this one in the engine: end the epoch for everyone.
-                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True)
+                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True,
+                             process_ids=list(getattr(e, "process_ids", ())))
             raise
         finally:
             self.admission.collectives.leave(group.key)
