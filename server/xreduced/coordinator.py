@@ -25,6 +25,7 @@ from concurrent import futures
 import grpc
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
 from xreduced import security
@@ -45,6 +46,7 @@ class _Registration:
     process_id: int
     node: pb.NodeIdentity
     devices: tuple[str, ...]
+    last_epoch: int = 0
 
 
 @dataclasses.dataclass
@@ -54,8 +56,7 @@ class _Epoch:
     node_of: dict[str, int]  # node_id -> index
     engine: str
     last_beat: dict[int, float]
-    """Node index -> when it last beat; a node is watched from its first beat on (connecting the engine
-    comes first, and is bounded by its own timeout)."""
+    """Node index -> when it last beat (from the epoch's forming on)."""
     ok: bool = True
     reason: str = ""
     lost: list[pb.LostPeer] = dataclasses.field(default_factory=list)
@@ -139,7 +140,7 @@ class Coordinator:
             if not group.round:
                 group.formed = threading.Event()
                 group.round_error = None
-            group.round[pid] = _Registration(pid, request.node, tuple(request.devices))
+            group.round[pid] = _Registration(pid, request.node, tuple(request.devices), request.last_epoch)
             formed = group.formed
             if len(group.round) == count:
                 try:
@@ -196,8 +197,11 @@ class Coordinator:
                     f"node(s) {without} ({', '.join(nodes[i].address for i in without)}) cannot drive Gloo: "
                     "pip install 'xreduce[cluster]' (torch) on every node")
             engine = "gloo"
-        group.last_epoch += 1
-        epoch = _Epoch(group.last_epoch, nodes, {n.node_id: n.index for n in nodes}, engine, {})
+        # Above any epoch a node has seen: this coordinator may have restarted since.
+        group.last_epoch = max(group.last_epoch, *(r.last_epoch for r in group.round.values())) + 1
+        now = time.monotonic()  # every node beats from the moment it hears of the epoch, before its engine connects
+        epoch = _Epoch(group.last_epoch, nodes, {n.node_id: n.index for n in nodes}, engine,
+                       {n.index: now for n in nodes})
         log.info("event=epoch_formed group=%s epoch=%d nodes=%d processes=%d engine=%s", group.name,
                  epoch.number, len(nodes), group.num_processes, engine or "none")
         return epoch
@@ -458,6 +462,32 @@ class _TokenGate(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
+class _NotADaemon(grpc.GenericRpcHandler):
+    """Answers a ``CrossDeviceOps`` call that reached the coordinator's port (a process whose XREDUCE_ADDRESS is
+    the job's first address) with what to do, instead of gRPC's bare "Method not found!"."""
+
+    def __init__(self, address: str):
+        self._message = (f"{address} is the coordinator of groups across nodes (the job's first address), not an "
+                         "xreduce daemon: point XREDUCE_ADDRESS at this node's daemon (its --listen address)")
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        if not method.startswith(METHOD_PREFIX):
+            return None
+        found = pb.DESCRIPTOR.services_by_name["CrossDeviceOps"].methods_by_name.get(method[len(METHOD_PREFIX):])
+        if found is None:
+            return None
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._message)
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(found.client_streaming, found.server_streaming)]
+        return make(refuse)
+
+
 class CoordinatorServer:
     """A gRPC server for the ``Peers`` service at the coordinator address, with the daemon's TLS and token.
 
@@ -479,6 +509,7 @@ class CoordinatorServer:
                                    interceptors=[_TokenGate(check)] if check is not None else [],
                                    options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_PeersServicer_to_server(PeersService(coordinator, config.collective_timeout), self._server)
+        self._server.add_generic_rpc_handlers((_NotADaemon(address),))
         credentials = security.server_credentials(config)
         try:
             if credentials is None:

@@ -15,6 +15,7 @@ and the order of additions does not depend on Gloo's algorithm.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -47,6 +48,18 @@ def unavailable_reason() -> str | None:
     """
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed: " + INSTALL_HINT
+    return _import_error()
+
+
+@functools.cache
+def _import_error() -> str | None:
+    """Imports torch.distributed once (seconds, so only when a group needs it); why it failed, or None."""
+    try:
+        import torch.distributed as dist
+    except Exception as e:  # noqa: BLE001 -- a broken install can raise anything: it means no engine
+        return f"torch cannot be imported ({type(e).__name__}: {e}): " + INSTALL_HINT
+    if not dist.is_available():
+        return "this torch has no torch.distributed: " + INSTALL_HINT
     return None
 
 

@@ -18,7 +18,8 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
   (:func:`xreduced.admission.working_set`);
 * ``xreduce_collectives_waiting`` (gauge);
 * ``xreduce_limit_rejections_total{limit}``: calls refused by each limit;
-* groups across nodes, per ``group``: ``xreduce_group_epoch``, ``xreduce_group_nodes``,
+* groups across nodes, per ``group``: ``xreduce_group_info{group,engine,state,coordinator}`` (1),
+  ``xreduce_group_epoch``, ``xreduce_group_nodes``,
   ``xreduce_group_failed`` (1 once the epoch has lost a peer or a process), ``xreduce_group_lost_peers``,
   and ``xreduce_cross_node_collectives_total``, ``xreduce_cross_node_bytes_total`` (sent and received
   through the engine), ``xreduce_cross_node_seconds_total``.
@@ -67,12 +68,16 @@ class _GroupCollector:
             "seconds": CounterMetricFamily("xreduce_cross_node_seconds", "Seconds spent crossing nodes.",
                                            labels=["group"]),
         }
+        info = GaugeMetricFamily("xreduce_group_info", "1 per group: its engine and whether its epoch stands.",
+                                 labels=["group", "engine", "state", "coordinator"])
         for g in self._groups():
+            info.add_metric([g.group, g.engine or "none", g.state, "true" if g.coordinator else "false"], 1)
             values = {"epoch": float(g.epoch), "nodes": len(g.nodes), "failed": int(g.state == "failed"),
                       "lost": len(g.lost), "collectives": g.cross_node_collectives, "bytes": g.cross_node_bytes,
                       "seconds": g.cross_node_seconds}
             for key, family in families.items():
                 family.add_metric([g.group], values[key])
+        yield info
         yield from families.values()
 
 

@@ -32,6 +32,9 @@ from xreduced.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument
 
 log = logging.getLogger("xreduced.rendezvous")
 
+ABANDON_POLL = 0.25
+"""Seconds between two asks of a waiting collective's ``abandoned`` (how soon a failed epoch is noticed)."""
+
 MAX_REPORT_GAP_SECONDS = 30.0
 """The longest gap between two reports of one waiting collective (unless the first report comes later)."""
 
@@ -104,7 +107,9 @@ class _Collective:
     def raise_error(self) -> None:
         """Raises a fresh copy of the error: one exception object raised in several
         threads would keep every thread's frames (and their tensors) alive."""
-        raise type(self.error)(str(self.error))
+        error = type(self.error)(str(self.error))
+        error.process_ids = getattr(self.error, "process_ids", ())
+        raise error
 
 
 class Rendezvous:
@@ -163,6 +168,7 @@ class Rendezvous:
         on_leave: Callable[[Callable[[], None]], Any] | None = None,
         remember_failure: bool = True,
         expected: frozenset[int] | None = None,
+        abandoned: Callable[[], ServiceError | None] | None = None,
     ) -> Any:
         """Contributes and waits (at most ``timeout`` s); returns this process's share.
 
@@ -180,6 +186,9 @@ class Rendezvous:
             remember_failure: keep a failure for late arrivals.
             expected: the participants that meet here, when not all of
                 ``range(num_processes)`` (a group across nodes meets node by node).
+            abandoned: asked while waiting (every ``ABANDON_POLL`` s): an error
+                that ends the collective for everyone (the group's epoch failed),
+                or None.
 
         Raises:
             InvalidArgument: participants disagree, or ``compute`` says so.
@@ -239,13 +248,13 @@ class Rendezvous:
             leave = lambda: self._leave(key, c, process_id, remember_failure)  # noqa: E731
             if on_leave(leave) is False:  # gRPC: the call had already ended
                 leave()
-        if not self._wait(key, c, timeout):
+        if not self._wait(key, c, timeout, abandoned):
             with self._lock:
                 if not c.done.is_set() and not c.complete:
-                    self._fail(key, c, DeadlineExceeded(
-                        f"{label} timed out after {timeout:.3g}s waiting for process(es) "
-                        f"{_ids(c.missing())}; arrived: {_ids(sorted(c.arrived))}"),
-                        remember_failure)
+                    error = DeadlineExceeded(f"{label} timed out after {timeout:.3g}s waiting for process(es) "
+                                             f"{_ids(c.missing())}; arrived: {_ids(sorted(c.arrived))}")
+                    error.process_ids = tuple(c.missing())
+                    self._fail(key, c, error, remember_failure)
             # Everyone arrived and the last arrival is computing: its deadline bounds the work.
             if c.complete and not c.done.wait(max(timeout, 1.0)):
                 raise DeadlineExceeded(f"{label}: every process arrived but the reduction did not finish "
@@ -254,14 +263,24 @@ class Rendezvous:
             c.raise_error()
         return c.results[process_id]
 
-    def _wait(self, key: tuple[str, str], c: _Collective, timeout: float) -> bool:
-        """Waits at most ``timeout`` s for ``c`` to be done, waking only when a report is due."""
+    def _wait(self, key: tuple[str, str], c: _Collective, timeout: float,
+              abandoned: Callable[[], ServiceError | None] | None = None) -> bool:
+        """Waits at most ``timeout`` s for ``c`` to be done, waking when a report is due (and every
+        ``ABANDON_POLL`` s to ask ``abandoned``)."""
         end = time.monotonic() + timeout
         while True:
             now = time.monotonic()
-            if c.done.wait(max(min(end, c.report_at) - now, 0.0)):
+            wake = min(end, c.report_at, now + ABANDON_POLL if abandoned is not None else math.inf)
+            if c.done.wait(max(wake - now, 0.0)):
                 return True
             now = time.monotonic()
+            error = abandoned() if abandoned is not None else None
+            if error is not None:
+                with self._lock:
+                    if not c.complete:
+                        self._fail(key, c, error, True)
+                if c.done.is_set():
+                    return True
             if now >= end:
                 return False
             self._report(key, c, now)
@@ -300,9 +319,10 @@ class Rendezvous:
     def _leave(self, key, c: _Collective, process_id: int, remember: bool) -> None:
         with self._lock:
             if not c.done.is_set() and not c.complete:
-                self._fail(key, c, Aborted(
-                    f"{c.label} was aborted: process {process_id} left (its call ended or its process "
-                    "died) before every process arrived"), remember)
+                error = Aborted(f"{c.label} was aborted: process {process_id} left (its call ended or its process "
+                                "died) before every process arrived")
+                error.process_ids = (process_id,)
+                self._fail(key, c, error, remember)
 
     def _fail(self, key, c: _Collective, error: ServiceError, remember: bool) -> None:
         """With the lock held: fail ``c`` for everyone and forget its contributions."""

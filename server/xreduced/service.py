@@ -22,8 +22,9 @@ from xreduce.wire import codec
 from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
-from xreduced import decode, peers, planner, streaming
+from xreduced import across, decode, peers, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
+from xreduced.cluster import ClusterGroup
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, reduce_together
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
@@ -230,7 +231,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             cluster = self._cluster(group)
             if cluster is not None and cluster.spans_nodes:
                 def broadcast(shares):
-                    return peers.broadcast_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
+                    return across.broadcast_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
             else:
                 def broadcast(shares):
                     return broadcast_together(self.engine, shares, group.label, deadline)
@@ -419,7 +420,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         cluster = self._cluster(group)
         if cluster is not None and cluster.spans_nodes:
             def reduce(shares):
-                return peers.reduce_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
+                return across.reduce_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
         else:
             def reduce(shares):
                 return reduce_together(self.engine, shares, group.label, deadline)
@@ -427,7 +428,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                             lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster)
         return result, slots
 
-    def _cluster(self, group: decode.Group | None) -> peers.ClusterGroup | None:
+    def _cluster(self, group: decode.Group | None) -> ClusterGroup | None:
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""
         if group is None:
             return None
@@ -444,7 +445,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return cluster
 
     def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,
-              cluster: peers.ClusterGroup | None = None):
+              cluster: ClusterGroup | None = None):
         try:
             self.admission.collectives.enter(group.key, group.label)
         except LimitExceeded as e:
@@ -456,11 +457,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 group.key, group.label, group.num_processes, group.process_id, share,
                 max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
                 expected=cluster.local if cluster is not None else None,
+                abandoned=cluster.abandoned if cluster is not None and cluster.spans_nodes else None,
             )
         except ServiceError as e:
             if cluster is not None and cluster.spans_nodes and not cluster.entered(group.sequence):
                 # The other nodes would wait for this one in the engine: end the epoch for everyone.
-                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True)
+                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True,
+                             process_ids=list(getattr(e, "process_ids", ())))
             raise
         finally:
             self.admission.collectives.leave(group.key)

@@ -102,6 +102,10 @@ def test_the_seed_cluster_reduces_across_its_two_hosts(argument_form):
         start_daemons(nodes)
         procs = [trainer(nodes[k + 1], k, argument_form) for k in range(2)]
         first = [answer(p) for p in procs]
+        for node in nodes:  # the daemon, the coordinator and Gloo listen on the node's loopback or address only
+            listening = node.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\n")
+            local = [line.split()[3].replace("[::ffff:", "").replace("]", "") for line in listening if line.strip()]
+            assert local and all(a.startswith(("127.0.0.1:", f"{node.address}:")) for a in local), local
         for p in procs:
             p.stdin.close()
         assert [f["epoch"] for f in first] == [1, 1] and [f["nodes"] for f in first] == [2, 2]

@@ -107,10 +107,15 @@ def test_a_silent_node_ends_the_epoch_and_is_named(coordinator):
     assert [(p.node_index, list(p.process_ids)) for p in state.lost] == [(1, [1])]
 
 
-def test_a_node_not_yet_beating_is_not_lost(coordinator):
-    register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
-    time.sleep(0.8)  # longer than the peer timeout: neither has beaten yet (their engines connect first)
-    assert coordinator.heartbeat("job@here:1", 1, "a").ok
+def test_a_node_that_never_beats_is_lost_too(coordinator):
+    """Nodes beat from the moment the epoch forms (before their engines connect): one stopped then is lost."""
+    register_all(coordinator, [(0, node("a"), []), (1, node("b", "10.0.0.2"), [])])
+    deadline = time.monotonic() + 10
+    state = coordinator.heartbeat("job@here:1", 1, "a")
+    while state.ok and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = coordinator.heartbeat("job@here:1", 1, "a")
+    assert not state.ok and [p.node_index for p in state.lost] == [1]
 
 
 def test_a_closed_attendance_stream_ends_the_epoch_at_once(coordinator):
@@ -141,3 +146,18 @@ def test_the_store_waits_bounded_and_goes_with_its_epoch(coordinator):
     coordinator.report_failure("job@here:1", 1, "a", "bye", [])
     with pytest.raises(Aborted, match="reported: bye"):
         coordinator.store_get("job@here:1", 1, "rank1", 0.1)
+
+
+def test_a_restarted_coordinator_numbers_its_epoch_above_any_a_node_has_seen(coordinator):
+    out = {}
+
+    def one(pid, last):
+        out[pid] = coordinator.register(pb.RegisterRequest(group="job", num_processes=2, process_id=pid,
+                                                           node=node(f"n{pid}"), last_epoch=last), 5.0)
+
+    threads = [threading.Thread(target=one, args=(0, 0)), threading.Thread(target=one, args=(1, 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0].epoch == out[1].epoch == 6

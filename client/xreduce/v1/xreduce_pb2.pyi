@@ -560,20 +560,22 @@ class NodeIdentity(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("group", "num_processes", "process_id", "node", "devices", "timeout")
+    __slots__ = ("group", "num_processes", "process_id", "node", "devices", "timeout", "last_epoch")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     group: str
     num_processes: int
     process_id: int
     node: NodeIdentity
     devices: _containers.RepeatedScalarFieldContainer[str]
     timeout: _duration_pb2.Duration
-    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., node: _Optional[_Union[NodeIdentity, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    last_epoch: int
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., node: _Optional[_Union[NodeIdentity, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., last_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("epoch", "group", "nodes", "engine", "peer_timeout_seconds", "heartbeat_interval_seconds")

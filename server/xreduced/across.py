@@ -1,0 +1,292 @@
+"""Collectives across nodes: what a node daemon runs for a group whose processes are on several nodes.
+
+A node daemon joins a group through the group's coordinator
+(:mod:`xreduced.coordinator`, at ``job_addresses[0]``), which answers with the
+membership of a new epoch: the nodes, node 0 first, and each node's processes
+and their devices. From then on the daemon heartbeats the coordinator, and each
+collective of the group runs in three steps:
+
+1. inside the node, the processes of this node meet in the rendezvous and their
+   values are summed with the node's own plan (TF's hierarchical copy);
+2. across nodes, the node daemons all-reduce the node sums on the engine (Gloo),
+   one collective after another in sequence order (:func:`sum_across`): with two
+   nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an
+   order fixed by the number of nodes and the buffer's size; a dtype Gloo cannot
+   add is all-gathered and added in node order, ``((node 0 + node 1) + node 2)``.
+   Every node gets the same bytes; MEAN then divides once by the global replica
+   count;
+3. back down, the total is copied to every destination of the node's processes.
+
+Before the bytes, the nodes exchange a small header: whether each node's
+processes agreed (or why not), a signature of the collective (kind, op,
+options, dtypes, shapes), and its replica count; a node whose processes
+disagreed makes the collective fail everywhere, naming it. Anything that breaks
+the lockstep (a process that left, a timeout, a lost node, an engine error)
+ends the epoch: every participant fails with ABORTED or UNAVAILABLE naming who
+was lost, nobody gets a partial sum, and the processes form a new epoch by
+initializing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+from xreduce.wire import codec
+
+from xreduced import gloo, planner
+from xreduced.backends.numpy_backend import divide
+from xreduced.cluster import ClusterGroup
+from xreduced.collective import (
+    BroadcastShare,
+    Contribution,
+    broadcast_together,
+    check_out_devices,
+    check_shares,
+    join_shares,
+    share_of,
+)
+from xreduced.engine import MEAN, SUM, Engine, Result, Value
+from xreduced.errors import InvalidArgument, ServiceError
+from xreduced.executor import Deadline
+
+_HEADER = 48
+"""int64 words of a collective's header: status, signature, replicas, bytes, dtype, ndim, then the shape."""
+_MAX_NDIM = _HEADER - 8
+PIPELINE_BYTES = 4 << 20
+"""Tensors larger than this cross nodes in pieces of this size (see :func:`node_sums_across`)."""
+_OK, _REFUSED = 0, 1
+
+
+
+def signature(*parts: object) -> int:
+    """A 63-bit digest of what every node must agree on.
+
+    Example:
+        >>> signature("BatchReduce", "SUM", "float32", (4,)) == signature("BatchReduce", "SUM", "float32", (4,))
+        True
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def header(status: int, sig: int = 0, replicas: int = 0, nbytes: int = 0, dtype: np.dtype | None = None,
+           shape: tuple[int, ...] = ()) -> np.ndarray:
+    """A collective's header as the nodes all-gather it.
+
+    Example:
+        >>> h = header(_OK, 7, 4, 16, np.dtype(np.float32), (2, 2))
+        >>> h[:6].tolist(), h.dtype.name
+        ([0, 7, 4, 16, 3, 2], 'int64')
+    """
+    if len(shape) > _MAX_NDIM:
+        raise InvalidArgument(f"tensor: at most {_MAX_NDIM} dimensions cross nodes; got {len(shape)}")
+    h = np.zeros(_HEADER, np.int64)
+    h[:6] = (status, sig, replicas, nbytes, codec.dtype_enum(dtype) if dtype is not None else 0, len(shape))
+    h[8:8 + len(shape)] = shape
+    return h
+
+
+def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Contribution], what: str,
+                  deadline: Deadline, sequence: int) -> dict[int, list[Result]]:
+    """The node's processes' collective, reduced with every other node's (see the module's steps).
+
+    Raises:
+        InvalidArgument: this node's processes disagree, or another node's do (named), or the nodes
+            sent different collectives.
+        Aborted / Unavailable / DeadlineExceeded: see :meth:`ClusterGroup.exchange`.
+    """
+    refused: ServiceError | None = None
+    joined: list = []
+    try:
+        check_shares(engine, shares, what)
+        ref = shares[min(shares)]
+        joined, _ = join_shares(engine, shares, what)
+        # Everything the node's sum could refuse, refused before the nodes agree to go on.
+        routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
+                               dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
+        templates = [v.arrays[0] for v, _ in joined]
+        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [(a.dtype.str, a.shape) for a in templates])
+        mine = header(_OK, sig, len(joined[0][0].devices) if joined else 0, sum(a.nbytes for a in templates))
+    except InvalidArgument as e:
+        refused, mine = e, header(_REFUSED)
+
+    def work(gloo_engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        return node_sums_across(engine, gloo_engine, joined, ref, deadline, timeout)
+
+    headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
+    if refused is not None:
+        raise refused
+    _check_headers(cluster, headers, what)
+    total_replicas = int(sum(h[2] for h in headers))
+    finals = [divide(np, t, total_replicas) if ref.op == MEAN else t for t in totals]
+    results: dict[int, list[Result]] = {}
+    for pid, c in shares.items():
+        results[pid] = [_place(engine, finals[t], dests, c.out[t] if c.out is not None else None, routes[t])
+                        for t, (_, dests) in enumerate(c.pairs)]
+    return results
+
+
+def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list, ref: Contribution,
+                     deadline: Deadline, timeout: float) -> tuple[list[np.ndarray], int]:
+    """Each joined value summed in the node (the node's plan), then across nodes (:func:`sum_across`).
+
+    A summable tensor over :data:`PIPELINE_BYTES` goes in pieces: the node sums a piece while the previous
+    one crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the
+    whole tensor's does. Returns (totals on the host, bytes moved).
+    """
+    large = [t for t, (v, _) in enumerate(joined)  # host arrays only: a GPU's node sum crosses whole
+             if isinstance(v.arrays[0], np.ndarray) and v.arrays[0].nbytes > PIPELINE_BYTES
+             and gloo.summable(v.arrays[0].dtype)]
+    rest = [t for t in range(len(joined)) if t not in large]
+    totals: list[np.ndarray | None] = [None] * len(joined)
+    moved = 0
+    pending = []
+    for t in large:
+        value, dests = joined[t]
+        flats = [a.reshape(-1) for a in value.arrays]
+        total = np.empty(flats[0].size, flats[0].dtype)
+        step = max(PIPELINE_BYTES // total.itemsize, 1)
+        for start in range(0, total.size, step):
+            piece = Value(value.devices, tuple(f[start:start + step] for f in flats), value.field)
+            (summed,) = engine.batch_reduce(SUM, [(piece, dests)], num_packs=1, algorithm=ref.algorithm,
+                                            reduce_to=ref.reduce_to, deadline=deadline)
+            view = total[start:start + step]
+            np.copyto(view, engine.backend.to_host(summed.arrays[0]))
+            pending.append(gloo_engine.all_reduce_start(view, timeout))
+        totals[t] = total.reshape(value.arrays[0].shape)
+        moved += total.nbytes
+    if rest:
+        local = engine.batch_reduce(SUM, [joined[t] for t in rest], num_packs=ref.num_packs,
+                                    algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline)
+        sums, n = sum_across(gloo_engine, [np.asarray(engine.backend.to_host(r.arrays[0]), order="C")
+                                           for r in local], timeout)
+        for t, total in zip(rest, sums):
+            totals[t] = total
+        moved += n
+    for work in pending:
+        gloo_engine.finish(work)
+    return totals, moved
+
+
+def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
+                     deadline: Deadline, sequence: int) -> dict[int, Result]:
+    """The source process's tensor to every destination of every process of every node.
+
+    Raises:
+        InvalidArgument: the processes disagree on the source, or the source sent no tensor.
+        Aborted / Unavailable / DeadlineExceeded: see :meth:`ClusterGroup.exchange`.
+    """
+    refused: ServiceError | None = None
+    array = None
+    source_pid = shares[min(shares)].source_process
+    try:
+        for pid, share in sorted(shares.items()):
+            if share.source_process != source_pid:
+                raise InvalidArgument(f"process {pid} sent source_process={share.source_process} but process "
+                                      f"{min(shares)} sent source_process={source_pid} for {what}")
+            check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
+        if source_pid not in cluster.node_of:
+            raise InvalidArgument(f"source_process={source_pid} is not a process of {what}")
+        if source_pid in shares:
+            array = shares[source_pid].array
+            if array is None:
+                raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
+            array = np.asarray(engine.backend.to_host(array), order="C")
+            mine = header(_OK, signature("Broadcast", source_pid), 0, array.nbytes, array.dtype, array.shape)
+        else:
+            mine = header(_OK, signature("Broadcast", source_pid))
+    except InvalidArgument as e:
+        refused, mine = e, header(_REFUSED)
+    root = cluster.node_of.get(source_pid, 0)
+
+    def work(engine, headers, timeout):
+        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
+            return None, 0
+        data = array.reshape(-1).view(np.uint8) if array is not None else np.empty(int(headers[root][3]), np.uint8)
+        return engine.broadcast(data, root, timeout), data.nbytes
+
+    headers, received = cluster.exchange(sequence, mine, work, deadline, what)
+    if refused is not None:
+        raise refused
+    _check_headers(cluster, headers, what)
+    if source_pid in shares:
+        return broadcast_together(engine, shares, what, deadline)
+    h = headers[root]
+    dtype = codec.numpy_dtype(int(h[4]))
+    received = received.view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
+    out: dict[int, np.ndarray] = {}
+    for share in shares.values():
+        for d, target in (share.out or {}).items():
+            out.setdefault(d, target)
+    dests = sorted({d for share in shares.values() for d in share.destinations})
+    result = engine.broadcast(received, dests[0], dests, deadline, out=out or None)
+    return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
+
+
+def sum_across(engine: gloo.GlooEngine, sums: list[np.ndarray], timeout: float) -> tuple[list[np.ndarray], int]:
+    """Every node's ``sums`` added together, the same bytes on every node; returns (totals, bytes moved).
+
+    The tensors of one dtype travel as one buffer. A dtype Gloo adds (:data:`gloo.SUMMABLE`) is all-reduced
+    by Gloo: with two nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an order
+    fixed by the number of nodes and the buffer's size. Other dtypes are all-gathered and added here in node
+    order, ``((node 0 + node 1) + node 2) ...``.
+    """
+    totals: list[np.ndarray | None] = [None] * len(sums)
+    moved = 0
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for t, a in enumerate(sums):
+        by_dtype.setdefault(a.dtype, []).append(t)
+    for dtype, indices in by_dtype.items():
+        flat = np.concatenate([sums[t].reshape(-1) for t in indices]) if len(indices) > 1 else \
+            sums[indices[0]].reshape(-1).copy()
+        moved += flat.nbytes
+        if gloo.summable(dtype):
+            total = engine.all_reduce(flat, timeout)
+        else:
+            parts = engine.all_gather(flat.view(np.uint8), timeout)
+            total = parts[0].view(dtype).copy()
+            for part in parts[1:]:  # node order: the same additions on every node
+                np.add(total, part.view(dtype), out=total)
+        offset = 0
+        for t in indices:
+            size = sums[t].size
+            totals[t] = total[offset:offset + size].reshape(sums[t].shape)
+            offset += size
+    return totals, moved
+
+
+def _agree(headers: list[np.ndarray]) -> bool:
+    return len({int(h[1]) for h in headers}) == 1
+
+
+def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) -> None:
+    refused = [i for i, h in enumerate(headers) if h[0] != _OK]
+    if refused:
+        raise InvalidArgument(
+            f"{what} failed on " + ", ".join(cluster.describe(i) for i in refused)
+            + ": its processes disagreed or sent a bad request (that node's processes got the details)")
+    if not _agree(headers):
+        mine = int(headers[cluster.node_index][1])
+        others = [i for i, h in enumerate(headers) if int(h[1]) != mine]
+        raise InvalidArgument(
+            f"the nodes sent different collectives for {what}: " + ", ".join(cluster.describe(i) for i in others)
+            + f" disagree with {cluster.describe(cluster.node_index)} on the kind, op, num_packs, algorithm, "
+            "source, or a tensor's dtype or shape")
+
+
+def _place(engine: Engine, total: np.ndarray, dests: tuple[int, ...], out: Mapping[int, np.ndarray] | None,
+           route: str) -> Result:
+    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded."""
+    arrays = []
+    for d in dests:
+        if out is not None and d in out:
+            engine.backend.write(out[d], total)
+            arrays.append(out[d])
+        else:
+            arrays.append(engine.backend.upload(d, total))
+    engine.backend.synchronize()
+    return Result(tuple(dests), tuple(arrays), route if route != planner.IDENTITY else planner.HIERARCHICAL_COPY)

@@ -1,0 +1,244 @@
+"""One epoch of a group across nodes, as a node daemon takes part in it.
+
+A :class:`ClusterGroup` holds the epoch's membership (from the coordinator), its
+engine, the heartbeats and the attendance stream that tell this node when the
+epoch ends, and the lane in which the group's collectives enter the engine one
+after another, in sequence order. Whatever breaks that lockstep (a process that
+left, a timeout, a lost node, an engine error) ends the epoch: every
+participant fails with ABORTED or UNAVAILABLE naming who was lost.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from xreduce.v1 import xreduce_pb2 as pb
+
+from xreduced import gloo
+from xreduced.errors import Aborted, DeadlineExceeded, ServiceError, Unavailable
+from xreduced.executor import Deadline
+
+log = logging.getLogger("xreduced.cluster")
+
+
+@dataclasses.dataclass
+class _Stats:
+    collectives: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class ClusterGroup:
+    """One epoch of a group across nodes, as this node daemon takes part in it.
+
+    Args:
+        gid: the group's id (``name@coordinator``); epoch: the membership's epoch.
+        node_index: this node in ``nodes``; nodes: node 0 first.
+        engine: the engine among the nodes, or None for a group on one node.
+        beat: sends one heartbeat; returns the coordinator's :class:`pb.EpochState`.
+        report: ends the epoch at the coordinator: ``report(reason, process_ids)``.
+        attend: opens the attendance stream (``Peers.Attend``): the epoch's end arrives on it at once.
+    """
+
+    def __init__(self, gid: str, num_processes: int, epoch: int, node_index: int, nodes: list[pb.ClusterNode],
+                 engine: gloo.GlooEngine | None, coordinator: str, beat: Callable[[], pb.EpochState],
+                 report: Callable[[str, list[int]], None], peer_timeout: float, heartbeat_interval: float,
+                 hosted: bool, attend: Callable[[], Any] | None = None):
+        self.gid, self.num_processes, self.epoch = gid, num_processes, epoch
+        self.node_index, self.nodes = node_index, nodes
+        self.engine = engine
+        self.coordinator = coordinator
+        self.hosted = hosted
+        self.local = frozenset(p.process_id for p in nodes[node_index].processes)
+        self.node_of = {p.process_id: n.index for n in nodes for p in n.processes}
+        self.peer_timeout, self.heartbeat_interval = peer_timeout, heartbeat_interval
+        self.stats = _Stats()
+        self.lost: list[pb.LostPeer] = []
+        self.reason = ""
+        self.failed = threading.Event()
+        self._beat, self._report = beat, report
+        self._lock = threading.Condition()
+        self._next = 0  # the next sequence number to enter the engine
+        self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xreduced-engine")
+        self._closed = threading.Event()
+        self._heart = threading.Thread(target=self._heartbeats, name="xreduced-heartbeat", daemon=True)
+        self._heart.start()
+        self._stream = attend() if attend is not None and len(nodes) > 1 else None
+        if self._stream is not None:
+            threading.Thread(target=self._attend, name="xreduced-attend", daemon=True).start()
+
+    def connect(self, engine: gloo.GlooEngine) -> None:
+        """Takes the epoch's engine, connected; a failure since closes it at once."""
+        self.engine = engine
+        if self.failed.is_set():
+            engine.close()
+            raise self.error()
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group has more than one node."""
+        return len(self.nodes) > 1
+
+    def describe(self, index: int) -> str:
+        """``node 1 (10.0.0.2, processes [1])``."""
+        node = self.nodes[index]
+        return f"node {index} ({node.address}, processes {[p.process_id for p in node.processes]})"
+
+    # --- failure ---------------------------------------------------------------------------------------------
+
+    def fail(self, reason: str, lost: list[pb.LostPeer] = (), report: bool = False,
+             process_ids: list[int] = ()) -> None:
+        """Ends this epoch here (and, with ``report``, at the coordinator, so every node learns)."""
+        with self._lock:
+            if self.failed.is_set():
+                return
+            self.reason, self.lost = reason, list(lost)
+            self.failed.set()
+            self._lock.notify_all()
+        log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
+        if self.engine is not None:
+            self.engine.close()  # unblocks an engine call waiting on a peer that will not come
+        if report:
+            with contextlib.suppress(Exception):  # the coordinator may be what was lost
+                self._report(reason, list(process_ids))
+
+    def error(self) -> ServiceError:
+        """The error every collective of this failed epoch gets."""
+        again = "; call xreduce.distribution.shutdown() and initialize() again on every process for a new epoch"
+        text = f'group "{self.gid}" epoch {self.epoch} is over: {self.reason}{again}'
+        lost_coordinator = any(p.node_index == 0 for p in self.lost) and not self.hosted
+        return Unavailable(text) if lost_coordinator else Aborted(text)
+
+    def abandoned(self) -> ServiceError | None:
+        """The epoch's error once it has failed (the rendezvous asks while this node's processes wait), else None."""
+        return self.error() if self.failed.is_set() else None
+
+    def check(self, epoch: int, label: str) -> None:
+        """Refuses a collective of another epoch, or of this epoch once it has failed."""
+        if epoch != self.epoch:
+            raise Aborted(f"{label} names epoch {epoch} but the group is at epoch {self.epoch}; initialize again")
+        if self.failed.is_set():
+            raise self.error()
+
+    def _heartbeats(self) -> None:
+        last_ok = time.monotonic()
+        while not self._closed.wait(self.heartbeat_interval) and not self.failed.is_set():
+            try:
+                state = self._beat()
+            except grpc.RpcError as e:
+                silent = time.monotonic() - last_ok
+                if silent > self.peer_timeout:
+                    self.fail(f"the coordinator at {self.coordinator}, {self.describe(0)}, did not answer "
+                              f"for {silent:.1f} s ({e.code().name})",
+                              [pb.LostPeer(node_index=0, address=self.nodes[0].address,
+                                           process_ids=[p.process_id for p in self.nodes[0].processes],
+                                           reason=f"no answer for {silent:.1f} s")])
+                continue
+            last_ok = time.monotonic()
+            if not state.ok:
+                self.fail(state.reason or f"epoch {self.epoch} is over", list(state.lost))
+
+    def _attend(self) -> None:
+        try:
+            for reply in self._stream:
+                if not reply.state.ok:
+                    self.fail(reply.state.reason or f"epoch {self.epoch} is over", list(reply.state.lost))
+                    return
+        except grpc.RpcError:
+            pass  # closed here, or the coordinator is gone: the heartbeats tell which, within the peer timeout
+
+    def close(self) -> None:
+        """Stops the heartbeats, the attendance stream and the engine; waits for nothing."""
+        self._closed.set()
+        if self._stream is not None:
+            self._stream.cancel()
+        if self.engine is not None:
+            self.engine.close()
+        self._lane.shutdown(wait=False, cancel_futures=True)
+
+    # --- the engine, in sequence order -----------------------------------------------------------------------
+
+    def entered(self, sequence: int | None) -> bool:
+        """Whether collective ``sequence`` has entered the engine (so the nodes are still in step)."""
+        with self._lock:
+            return sequence is not None and self._next > sequence
+
+    def exchange(self, sequence: int, mine: np.ndarray, work: Callable, deadline: Deadline, label: str):
+        """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes and
+        returns ``(result, bytes moved)``); collective ``sequence`` enters the engine after ``sequence - 1``.
+
+        Returns:
+            (headers, result): every node's header, node 0's first, and what ``work`` returned.
+
+        Raises:
+            Aborted / Unavailable: the epoch failed meanwhile (naming who was lost).
+            DeadlineExceeded: ``deadline`` passed first; the epoch is over.
+        """
+        with self._lock:
+            while self._next < sequence and not self.failed.is_set():
+                left = deadline.remaining()
+                if left is not None and left <= 0:
+                    break
+                self._lock.wait(min(left, 1.0) if left is not None else 1.0)
+            if self.failed.is_set():
+                raise self.error()
+            if self._next != sequence:
+                self.fail(f"{label} found collective {self._next} still before it after its deadline", report=True)
+                raise self.error()
+            self._next += 1
+            self._lock.notify_all()
+            future = self._lane.submit(self._run, mine, work, deadline)
+        start = time.perf_counter()
+        while True:
+            try:
+                headers, result, moved = future.result(timeout=0.2)
+                break
+            except concurrent.futures.TimeoutError:
+                left = deadline.remaining()
+                if self.failed.is_set():
+                    raise self.error() from None
+                if left is not None and left <= 0:
+                    self.fail(f"{label} did not cross the nodes within its deadline", report=True)
+                    raise DeadlineExceeded(f"{label} timed out in the exchange between nodes; "
+                                           f"{self.error()}") from None
+            except gloo.EngineError as e:
+                raise self._engine_failed(label, e) from None
+            except ServiceError as e:  # e.g. the deadline, in the node's work: the others would wait for this node
+                self.fail(f"{label} failed on {self.describe(self.node_index)}: {e}", report=True)
+                raise
+            except Exception:  # a bug: the others must not wait for this node
+                log.exception("event=exchange_error group=%s", self.gid)
+                self.fail(f"{label} failed on {self.describe(self.node_index)} (a daemon error; see its log)",
+                          report=True)
+                raise self.error() from None
+        with self._lock:
+            self.stats.collectives += 1
+            self.stats.bytes += moved + headers[0].nbytes * len(headers)
+            self.stats.seconds += time.perf_counter() - start
+        return headers, result
+
+    def _run(self, mine: np.ndarray, work: Callable, deadline: Deadline):
+        headers = self.engine.all_gather(mine.view(np.uint8), self._timeout(deadline))
+        headers = [h.view(np.int64) for h in headers]
+        result, moved = work(self.engine, headers, self._timeout(deadline))
+        return headers, result, moved
+
+    def _timeout(self, deadline: Deadline) -> float:
+        left = deadline.remaining()
+        return max(left, 0.001) if left is not None else 3600.0
+
+    def _engine_failed(self, label: str, e: gloo.EngineError) -> ServiceError:
+        """An engine error: wait (bounded) for the coordinator to say who was lost, then end the epoch."""
+        self.failed.wait(self.peer_timeout + 2 * self.heartbeat_interval)
+        if not self.failed.is_set():
+            self.fail(f"the engine failed on {self.describe(self.node_index)} during {label}: {e}", report=True)
+        return self.error()
