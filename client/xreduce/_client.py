@@ -408,6 +408,19 @@ class Client:
         """
         return self._unary("JoinGroup", request, timeout)
 
+    def leave_group(self, request: pb.LeaveGroupRequest, timeout: float | None = None) -> pb.LeaveGroupResponse:
+        """Calls ``LeaveGroup``: this process is done with a group across nodes.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2), Client() as c:
+            ...     c.leave_group(pb.LeaveGroupRequest(group="default@10.0.0.1:1234", epoch=1))
+            Traceback (most recent call last):
+            ...
+            xreduce._errors.NotFoundError: group: this daemon is in no group 'default@10.0.0.1:1234' of epoch 1
+        """
+        return self._unary("LeaveGroup", request, timeout)
+
     def open_session(self, request: pb.OpenSessionRequest, timeout: float | None = None) -> Session:
         """Calls ``OpenSession`` and returns the :class:`~xreduce._session.Session` once the daemon answered
         (within ``timeout``); the session lasts until it is closed or the daemon stops.

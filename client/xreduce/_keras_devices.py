@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import operator
 import os
@@ -13,7 +15,7 @@ import grpc
 
 from xreduce import _stall
 from xreduce._client import Client
-from xreduce._errors import DeadlineExceededError, UnavailableError
+from xreduce._errors import DeadlineExceededError, UnavailableError, XReduceError
 from xreduce._runtime import ProcessGroup, process_group, set_process_group
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire.devices import DeviceName
@@ -25,6 +27,9 @@ ENV_GROUP = "XREDUCE_GROUP"
 """The multi-process group's name (default ``default``): jobs sharing a daemon need different names."""
 ENV_LOCAL_DEVICES = "XREDUCE_LOCAL_DEVICES"
 """This process's devices, comma-separated; unset lets the daemon assign a contiguous block."""
+
+LEAVE_TIMEOUT = 5.0
+"""Seconds :meth:`DistributionState.shutdown` gives the daemon to hear that this process left its group."""
 
 LIST_TIMEOUT = 30.0
 """Seconds a ListDevices call may take: it answers from memory, so longer means unreachable."""
@@ -384,10 +389,18 @@ class DistributionState:
             return client.address, tuple(d for kind in by_type.values() for d in kind)
 
     def shutdown(self) -> None:
-        """Forgets the recorded identity; :meth:`initialize` may run again. Idempotent."""
+        """Forgets the recorded identity; :meth:`initialize` may run again. Idempotent.
+
+        A process of a group with a coordinator also tells its daemon it has left (``LeaveGroup``, best
+        effort, bounded): once all of a node's processes have, the daemon leaves the group.
+        """
         with self._lock:
-            self._info = None
-            self._group = None
+            group, self._info, self._group = self._group, None, None
+        if group is not None and group.epoch:
+            with contextlib.suppress(XReduceError), Client(self._address, timeout=LEAVE_TIMEOUT,
+                                                           token=self._token) as client:
+                client.leave_group(pb.LeaveGroupRequest(group=group.group, epoch=group.epoch,
+                                                        process_id=group.process_id))
 
     @property
     def group(self) -> ProcessGroup | None:
@@ -414,6 +427,7 @@ class DistributionState:
 
 
 _global_state = DistributionState()
+atexit.register(_global_state.shutdown)  # a process that ends without shutdown() still leaves its group
 
 
 def initialize(job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,

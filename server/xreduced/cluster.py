@@ -65,6 +65,8 @@ class ClusterGroup:
         self.lost: list[pb.LostPeer] = []
         self.reason = ""
         self.failed = threading.Event()
+        self.left: set[int] = set()
+        """This node's processes that have left the group (LeaveGroup)."""
         self._beat, self._report = beat, report
         self._lock = threading.Condition()
         self._next = 0  # the next sequence number to enter the engine
@@ -106,7 +108,8 @@ class ClusterGroup:
             self._lock.notify_all()
         log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
         if self.engine is not None:
-            self.engine.close()  # unblocks an engine call waiting on a peer that will not come
+            self.engine.close()  # lets its connections go (a call waiting on a peer ends by its timeout)
+        self._lane.shutdown(wait=False, cancel_futures=True)  # its thread ends once a call in it does
         if report:
             with contextlib.suppress(Exception):  # the coordinator may be what was lost
                 self._report(reason, list(process_ids))

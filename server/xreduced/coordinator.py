@@ -353,6 +353,11 @@ class Coordinator:
 
     # --- status ----------------------------------------------------------------------------------------------
 
+    def busy(self) -> bool:
+        """Whether any group here has an epoch standing or a membership forming."""
+        with self._lock:
+            return any(g.round or (g.epoch is not None and g.epoch.ok) for g in self._groups.values())
+
     def hosts(self, gid: str) -> bool:
         """Whether this coordinator serves group ``gid``."""
         with self._lock:

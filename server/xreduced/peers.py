@@ -10,6 +10,7 @@ collectives are :mod:`xreduced.across`'s.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import socket
@@ -25,9 +26,14 @@ from xreduced import gloo, security
 from xreduced.cluster import ClusterGroup
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
-from xreduced.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from xreduced.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
 
 log = logging.getLogger("xreduced.peers")
+
+MAX_ENDED = 64
+"""Groups whose epoch ended (failed, or every local process left) that status still shows, at most."""
+MAX_REMEMBERED = 4096
+"""Groups whose newest epoch a daemon remembers, so that a restarted coordinator numbers above it."""
 
 
 def route_address(host: str, port: int) -> str:
@@ -88,6 +94,9 @@ class Peers:
         self._joining: dict[tuple[str, int], concurrent.futures.Future] = {}
         self._servers: dict[str, CoordinatorServer] = {}
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.PeersStub]] = {}
+        self._linking: dict[str, int] = {}  # coordinator address -> joins through it in progress
+        self._epochs: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """The newest epoch of each group this daemon took part in (the last MAX_REMEMBERED), left ones too."""
         token = security.load_token(config)
         self._metadata = (("authorization", "Bearer " + token.decode()),) if token else ()
 
@@ -112,16 +121,28 @@ class Peers:
         """
         host, port = split_address(coordinator)
         gid = f"{name}@{coordinator}"
+        self._release()
+        with self._lock:
+            self._linking[coordinator] = self._linking.get(coordinator, 0) + 1
+        try:
+            return self._join(name, num_processes, process_id, coordinator, host, port, gid, devices, timeout)
+        finally:
+            with self._lock:
+                self._linking[coordinator] -= 1
+                if not self._linking[coordinator]:
+                    del self._linking[coordinator]
+
+    def _join(self, name: str, num_processes: int, process_id: int, coordinator: str, host: str, port: int,
+              gid: str, devices: list[str], timeout: float) -> ClusterGroup:
         if process_id == 0:
             self._serve_coordinator(coordinator, gid)
         node_address = self.config.node_address or route_address(host, port)
         stub = self._stub(coordinator)
         engines = ["gloo"] if gloo.unavailable_reason() is None else []
         with self._lock:
-            seen = self._groups.get(gid)
+            last_epoch = self._epochs.get(gid, 0)
         request = pb.RegisterRequest(
-            group=name, num_processes=num_processes, process_id=process_id,
-            last_epoch=seen.epoch if seen is not None else 0,
+            group=name, num_processes=num_processes, process_id=process_id, last_epoch=last_epoch,
             node=pb.NodeIdentity(node_id=self.node_id, address=node_address, devices=self.devices,
                                  backend=self.backend, engines=engines),
             devices=[DeviceName.parse(d).short for d in devices])
@@ -186,6 +207,10 @@ class Peers:
                 raise
         with self._lock:
             self._groups[gid] = cluster
+            self._epochs[gid] = epoch
+            self._epochs.move_to_end(gid)
+            while len(self._epochs) > MAX_REMEMBERED:
+                self._epochs.popitem(last=False)
         log.info("event=group_joined group=%s epoch=%d node=%d nodes=%d engine=%s", gid, epoch, index, len(nodes),
                  reply.engine or "none")
         return cluster
@@ -218,6 +243,46 @@ class Peers:
             return gloo.GlooEngine((set_, get, add), index, len(reply.nodes), node_address, timeout)
         except gloo.EngineError as e:
             raise Unavailable(f"group {gid!r} epoch {epoch}: {e}") from None
+
+    def leave(self, gid: str, epoch: int, process_id: int) -> None:
+        """Process ``process_id`` is done with group ``gid``: once every process of this node has left, the
+        daemon leaves the group (its epoch ends for every node, as a job's end ends it), and stops serving a
+        coordinator and dropping a link that no group needs any more.
+
+        Raises:
+            NotFound: no such group or epoch here.
+        """
+        with self._lock:
+            cluster = self._groups.get(gid)
+            if cluster is None or cluster.epoch != epoch:
+                raise NotFound(f"group: this daemon is in no group {gid!r} of epoch {epoch}")
+            if process_id not in cluster.local:
+                raise InvalidArgument(f"process_id: {process_id} is not one of this node's processes "
+                                      f"{sorted(cluster.local)} in group {gid!r}")
+            cluster.left.add(process_id)
+            if cluster.left != cluster.local:
+                return
+        cluster.fail(f"every process of {cluster.describe(cluster.node_index)} left the group", report=True)
+        cluster.close()
+        log.info("event=group_left group=%s epoch=%d", gid, epoch)
+        self._release()
+
+    def _release(self) -> None:
+        """Stops the coordinators no group needs any more, closes the links no group uses, and forgets the
+        oldest ended groups beyond the last ``MAX_ENDED`` (which status still shows)."""
+        with self._lock:
+            ended = [gid for gid, g in self._groups.items() if g.failed.is_set()]
+            for gid in ended[:max(len(ended) - MAX_ENDED, 0)]:
+                del self._groups[gid]
+            used = {g.coordinator for g in self._groups.values() if not g.failed.is_set()} | set(self._linking)
+            idle = [a for a, server in self._servers.items() if a not in used and not server.coordinator.busy()]
+            servers = [self._servers.pop(a) for a in idle]
+            channels = [self._channels.pop(a)[0] for a in list(self._channels) if a not in used]
+        for server in servers:
+            server.stop()
+            log.info("event=coordinator_stopped address=%s", server.address)
+        for channel in channels:
+            channel.close()
 
     def _serve_coordinator(self, address: str, gid: str) -> None:
         with self._lock:
@@ -273,7 +338,8 @@ class Peers:
         out = []
         for g in self.groups():
             out.append(pb.GroupStatus(
-                group=g.gid, epoch=g.epoch, state="failed" if g.failed.is_set() else "active",
+                group=g.gid, epoch=g.epoch,
+                state="left" if g.left == g.local else "failed" if g.failed.is_set() else "active",
                 num_processes=g.num_processes, node_index=g.node_index, nodes=g.nodes,
                 engine=g.engine.name if g.engine is not None else "", coordinator=g.hosted,
                 cross_node_collectives=g.stats.collectives, cross_node_bytes=g.stats.bytes,

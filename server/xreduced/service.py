@@ -278,6 +278,20 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
         )
 
+    def LeaveGroup(self, request, context):
+        """A process is done with a group across nodes (see :meth:`xreduced.peers.Peers.leave`).
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> service = CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy")
+            >>> service.LeaveGroup(pb.LeaveGroupRequest(group="default@10.0.0.1:1234", epoch=1), None)
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.NotFound: group: this daemon is in no group 'default@10.0.0.1:1234' of epoch 1
+        """
+        self.peers.leave(request.group, request.epoch, request.process_id)
+        return pb.LeaveGroupResponse()
+
     def _join_across(self, request, devices: tuple[int, ...], deadline: Deadline) -> pb.JoinGroupResponse:
         """JoinGroup through the group's coordinator: its processes may be on several nodes."""
         cluster = self.peers.join(request.group, request.num_processes, request.process_id, request.coordinator,

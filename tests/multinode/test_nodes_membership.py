@@ -93,7 +93,8 @@ def test_two_jobs_on_the_same_daemons_do_not_mix(three_nodes):
             np.array([36.0, 64.0]).tobytes().hex()] * 2
     for address in (three_nodes.address(0), three_nodes.address(1)):
         for (gid,) in gids:
-            assert group_status(address, gid).state == "active"
+            # two groups, each whole: "left" once its processes have ended (they leave at exit), never "failed"
+            assert group_status(address, gid).state in ("active", "left")
 
 
 def _until_listening(address: str, timeout: float = 60.0) -> None:

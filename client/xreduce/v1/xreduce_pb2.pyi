@@ -282,6 +282,20 @@ class JoinGroupRequest(_message.Message):
     coordinator: str
     def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
+class LeaveGroupRequest(_message.Message):
+    __slots__ = ("group", "epoch", "process_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    epoch: int
+    process_id: int
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., process_id: _Optional[int] = ...) -> None: ...
+
+class LeaveGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ProcessDevices(_message.Message):
     __slots__ = ("process_id", "devices")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]

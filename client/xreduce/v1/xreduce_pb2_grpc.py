@@ -61,6 +61,11 @@ class CrossDeviceOpsStub:
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
                 _registered_method=True)
+        self.LeaveGroup = channel.unary_unary(
+                '/xreduce.v1.CrossDeviceOps/LeaveGroup',
+                request_serializer=xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupRequest.SerializeToString,
+                response_deserializer=xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/xreduce.v1.CrossDeviceOps/GetStatus',
                 request_serializer=xreduce_dot_v1_dot_xreduce__pb2.GetStatusRequest.SerializeToString,
@@ -131,6 +136,16 @@ class CrossDeviceOpsServicer:
     def JoinGroup(self, request, context):
         """JoinGroup waits until every process of a multi-process group has joined,
         checks they agree, and tells each its local devices and the global list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveGroup(self, request, context):
+        """LeaveGroup says a process is done with a group (the SDK's shutdown()):
+        once every process of this node has left a group across nodes, the daemon
+        leaves it, and the coordinator it served for it stops when no group needs
+        it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +230,11 @@ def add_CrossDeviceOpsServicer_to_server(servicer, server):
                     servicer.JoinGroup,
                     request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.FromString,
                     response_serializer=xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.SerializeToString,
+            ),
+            'LeaveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveGroup,
+                    request_deserializer=xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupRequest.FromString,
+                    response_serializer=xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -384,6 +404,33 @@ class CrossDeviceOps:
             '/xreduce.v1.CrossDeviceOps/JoinGroup',
             xreduce_dot_v1_dot_xreduce__pb2.JoinGroupRequest.SerializeToString,
             xreduce_dot_v1_dot_xreduce__pb2.JoinGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xreduce.v1.CrossDeviceOps/LeaveGroup',
+            xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupRequest.SerializeToString,
+            xreduce_dot_v1_dot_xreduce__pb2.LeaveGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
