@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
@@ -159,3 +160,19 @@ def test_a_daemon_without_torch_still_serves_a_group_of_one_node(start_daemon, t
     events = finish([NodeProcess(daemon.address, coordinator, 2, p, [{"op": "init"}, _reduce(3)]) for p in range(2)])
     assert [results(e)[0]["num_nodes"] for e in events] == [1, 1]
     _check_sums(events, {1: 3}, replicas=4)
+
+
+def test_a_daemon_stops_within_its_grace_while_a_join_waits_at_its_coordinator(start_daemon):
+    """Process 0 joined, process 1 never comes: SIGTERM still stops process 0's daemon, which serves the
+    coordinator, within its grace (1 s) and slack, not when the join's 30 s run out."""
+    node = start_daemon("--listen", "127.0.0.1:0", *NODE_FLAGS, "--collective-timeout", "30", "--grace-seconds", "1")
+    coordinator = free_address()
+    process = NodeProcess(node.address, coordinator, 2, 0, [{"op": "init"}])
+    try:
+        _until_listening(coordinator)
+        since = time.monotonic()
+        assert node.terminate(signal.SIGTERM, timeout=60) == 0, node.log()
+        stopped = time.monotonic() - since
+    finally:
+        process.close()
+    assert stopped <= 1 + 10, f"the daemon took {stopped:.1f} s to exit after SIGTERM (grace 1 s)"
