@@ -181,9 +181,9 @@ class Peers:
             old.close()
         interval = max(reply.heartbeat_interval_seconds, 0.5)
 
-        def beat():
+        def beat():  # waits (bounded) for a link that is reconnecting rather than failing at once
             return stub.Heartbeat(pb.HeartbeatRequest(group=gid, epoch=epoch, node_id=self.node_id),
-                                  timeout=interval, metadata=self._metadata).state
+                                  timeout=interval, metadata=self._metadata, wait_for_ready=True).state
 
         def report(reason, process_ids):
             stub.ReportFailure(pb.ReportFailureRequest(group=gid, epoch=epoch, node_id=self.node_id, reason=reason,
@@ -300,7 +300,10 @@ class Peers:
         with self._lock:
             if address not in self._channels:
                 c = self.config
-                options = [("grpc.max_receive_message_length", 1 << 20)]
+                # Reconnect within a second after an outage (gRPC's default backoff grows to minutes): a node
+                # whose link comes back must reach the coordinator before the peer timeout, or it is lost again.
+                options = [("grpc.max_receive_message_length", 1 << 20), ("grpc.initial_reconnect_backoff_ms", 100),
+                           ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
                 if c.tls_cert:
                     root = _read(c.tls_client_ca or c.tls_cert)
                     creds = grpc.ssl_channel_credentials(
