@@ -7,7 +7,7 @@ imports its hypothesis strategies, its :class:`World` and its verdicts.
 What is generated:
 
 * message level (:func:`requests`): every unary method's request (``Reduce``,
-  ``BatchReduce``, ``Broadcast``, ``JoinGroup``, ``ListDevices``, ``GetStatus``,
+  ``BatchReduce``, ``Broadcast``, ``JoinGroup``, ``LeaveGroup``, ``ListDevices``, ``GetStatus``,
   ``RegisterRegion``, ``UnregisterRegion``, ``ListRegions``) and
   ``OpenSession``, with arbitrary enums (unknown numbers included), shapes
   (negative, huge, up to 100 dimensions), dtypes, ``raw_data`` of wrong
@@ -86,6 +86,7 @@ REQUEST_TYPES = {
     "BatchReduce": (pb.BatchReduceRequest, pb.BatchReduceResponse),
     "Broadcast": (pb.BroadcastRequest, pb.BroadcastResponse),
     "JoinGroup": (pb.JoinGroupRequest, pb.JoinGroupResponse),
+    "LeaveGroup": (pb.LeaveGroupRequest, pb.LeaveGroupResponse),
     "RegisterRegion": (pb.RegisterRegionRequest, pb.RegisterRegionResponse),
     "UnregisterRegion": (pb.UnregisterRegionRequest, pb.UnregisterRegionResponse),
     "ListRegions": (pb.ListRegionsRequest, pb.ListRegionsResponse),
@@ -712,6 +713,8 @@ MESSAGE_STRATEGIES = {
     "BatchReduce": batch_reduce_requests(),
     "Broadcast": broadcast_requests(),
     "JoinGroup": join_group_requests(),
+    "LeaveGroup": st.builds(pb.LeaveGroupRequest, group=group_names, epoch=st.integers(-(2**63), 2**63 - 1),
+                            process_id=process_ids),
     "RegisterRegion": register_region_requests(),
     "UnregisterRegion": unregister_region_requests,
     "ListRegions": st.just(pb.ListRegionsRequest()),
@@ -737,7 +740,7 @@ def requests() -> st.SearchStrategy[Call]:
         return st.builds(Call, st.just(method), MESSAGE_STRATEGIES[method],
                          SESSION_CHOICES.get(method, OTHER_SESSIONS))
     return weighted((3, of("Reduce")), (2, of("BatchReduce")), (2, of("Broadcast")), (1, of("JoinGroup")),
-                    (1, of("ListDevices")), (1, of("GetStatus")), (3, of("RegisterRegion")),
+                    (1, of("LeaveGroup")), (1, of("ListDevices")), (1, of("GetStatus")), (3, of("RegisterRegion")),
                     (1, of("UnregisterRegion")), (1, of("ListRegions")), (1, of("OpenSession")))
 
 

@@ -109,7 +109,10 @@ class _Collective:
         threads would keep every thread's frames (and their tensors) alive."""
         error = type(self.error)(str(self.error))
         error.process_ids = getattr(self.error, "process_ids", ())
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # this frame would hold its own traceback, and every caller's frame with it
 
 
 class Rendezvous:

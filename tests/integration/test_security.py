@@ -319,6 +319,7 @@ _EMPTY_REQUESTS = {
     "BatchReduce": pb.BatchReduceRequest(),
     "Broadcast": pb.BroadcastRequest(),
     "JoinGroup": pb.JoinGroupRequest(),
+    "LeaveGroup": pb.LeaveGroupRequest(),
     "RegisterRegion": pb.RegisterRegionRequest(),
     "UnregisterRegion": pb.UnregisterRegionRequest(),
     "ListRegions": pb.ListRegionsRequest(),
