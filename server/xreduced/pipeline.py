@@ -24,6 +24,10 @@ One interceptor, in this order:
    bytes_out=… ms=… status=OK``), and malloc's heaps are trimmed after a
    large one.
 
+When the daemon stops, the pipeline drains (:meth:`CallPipeline.drain`): new
+calls of the service are refused with UNAVAILABLE while the calls in flight
+finish.
+
 Replies are serialized here, once, to count their bytes; gRPC sends those
 bytes as they are.
 """
@@ -35,6 +39,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
@@ -44,7 +49,7 @@ from xreduce.wire import codec
 from xreduce.wire.contract import ANSWERED_METADATA, METHOD_PREFIX
 
 from xreduced.admission import Admission, LimitExceeded
-from xreduced.errors import InvalidArgument, ServiceError, Unauthenticated
+from xreduced.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from xreduced.memory import TRIM_BYTES, trim_malloc
 from xreduced.metrics import Stats
 from xreduced.regions import CallRegions, RegionTable, session_of
@@ -91,6 +96,8 @@ class Call:
     """Bytes the call holds in the in-flight budget."""
     code: str = "OK"
     started: float = dataclasses.field(default_factory=time.monotonic)
+    refused_draining: bool = False
+    """The call came while the daemon was stopping: it is refused."""
 
     @property
     def name(self) -> str:
@@ -173,6 +180,33 @@ class CallPipeline(grpc.ServerInterceptor):
         self.regions = regions
         self.refused = refused
         self.gate = gate
+        self._calls = 0  # in flight, every service's
+        self._ended_draining = 0
+        self._draining = False
+        self._idle = threading.Condition()
+
+    def drain(self, timeout: float) -> int | None:
+        """Refuses new calls of the service from now on, and waits up to ``timeout`` seconds for
+        the calls in flight to end.
+
+        Returns:
+            How many calls ended while draining, or None when some were still in flight at the
+            timeout.
+
+        Example:
+            >>> p = CallPipeline(Stats(), Admission())
+            >>> p.drain(timeout=1.0)
+            0
+        """
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            self._draining = True
+            while self._calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._idle.wait(left)
+            return self._ended_draining
 
     def intercept_service(self, continuation, handler_call_details):
         """The handler of a call, wrapped in the pipeline; None for a method nobody serves.
@@ -282,6 +316,9 @@ class CallPipeline(grpc.ServerInterceptor):
 
     def _begin(self, method: str, context) -> Call:
         call = Call(next(_ids), method)
+        with self._idle:
+            self._calls += 1
+            call.refused_draining = self._draining and method.startswith(METHOD_PREFIX)
         log.debug("event=handling method=%s peer=%s", call.name, context.peer())
         if self.regions is not None and method.startswith(METHOD_PREFIX):
             call.regions = self.regions.for_call(session_of(context))
@@ -289,6 +326,9 @@ class CallPipeline(grpc.ServerInterceptor):
 
     def _admit(self, call: Call, metadata, streams: tuple[bool, bool], request):
         """Steps 2 to 4; returns what the handler gets: the parsed request, or the stream of them."""
+        if call.refused_draining:
+            raise Unavailable("the daemon is stopping: it takes no new calls (call another daemon, or this one "
+                              "once it is back)")
         if self.gate is not None:
             refusal = self.gate.refusal(call.method, metadata)
             if refusal is not None:
@@ -357,6 +397,11 @@ class CallPipeline(grpc.ServerInterceptor):
                  call.id, call.method, call.bytes_in, call.bytes_out, seconds * 1e3, call.code)
         if call.bytes_in + call.bytes_out >= TRIM_BYTES:
             trim_malloc()
+        with self._idle:
+            self._calls -= 1
+            if self._draining:
+                self._ended_draining += not call.refused_draining
+                self._idle.notify_all()
 
 
 _DONE = object()

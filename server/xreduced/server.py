@@ -1,14 +1,20 @@
 """Building, starting and stopping the daemon's gRPC server.
 
 Teardown order matters: health turns NOT_SERVING first (so load balancers and
-probes stop sending), then the server refuses new calls and lets in-flight
-ones finish within the grace period.
+probes stop sending), then the call pipeline refuses new calls and lets
+in-flight ones finish within the grace period, and only then does the server
+close its connections. gRPC closes a connection as soon as its last call has
+handed its reply to the kernel; a caller still reading a large reply would then
+lose its tail (the socket is reset when the caller's next flow-control frame
+arrives), so replies that left while draining get :data:`FLUSH_SECONDS` to
+reach their callers first.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -26,6 +32,9 @@ from xreduced.pipeline import CallPipeline
 from xreduced.service import CrossDeviceOpsService
 
 log = logging.getLogger("xreduced")
+
+FLUSH_SECONDS = 1.0
+"""How long replies sent while the daemon drains have to reach their callers (within the grace)."""
 
 
 def make_backend(config: Config) -> Backend:
@@ -73,11 +82,11 @@ class Daemon:
         self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
                                              config=config)
         self.stats = self.service.stats
-        pipeline = CallPipeline(self.stats, self.service.admission, self.service.regions, self.service.refused,
-                                gate=security.token_check(config))
+        self.pipeline = CallPipeline(self.stats, self.service.admission, self.service.regions,
+                                     self.service.refused, gate=security.token_check(config))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
-            interceptors=[pipeline],
+            interceptors=[self.pipeline],
             options=options,
         )
         pb_grpc.add_CrossDeviceOpsServicer_to_server(self.service, self.server)
@@ -136,13 +145,18 @@ class Daemon:
             return
         self._stopped.set()
         grace = self.config.grace_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         log.info("event=stopping grace_seconds=%g", grace)
-        stopped = self.server.stop(grace)  # refuses new calls, new sessions too
         # Sessions are open streams: end them, or every stop would wait out the whole grace; their
         # regions stay mapped for the calls still in flight, and go when those are done.
         self.service.regions.end_streams()
-        stopped.wait()
+        answered = self.pipeline.drain(grace)  # refuses new calls from now on
+        if answered:
+            time.sleep(max(0.0, min(FLUSH_SECONDS, deadline - time.monotonic())))
+        log.debug("event=drained answered=%s", answered)
+        # Calls still in flight at the end of the grace are cancelled.
+        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         self.service.regions.close_all()
         self.service.peers.close()
         if self.metrics is not None:
