@@ -56,10 +56,11 @@ class IndexedSlices:
         self._values, self._indices = values, indices
         host_values, host_indices = to_host(values), to_host(indices)
         shape = None if dense_shape is None else _dense_shape(dense_shape)
-        self._host = HostSlices(
-            wire_sparse.check(host_values.array, host_indices.array, shape, "IndexedSlices"),
-            host_values, host_indices,
-        )
+        try:
+            slices = wire_sparse.check(host_values.array, host_indices.array, shape, "IndexedSlices")
+        except codec.CodecError as e:  # the wire's error type means nothing to a caller building a value
+            raise ValueError(str(e)) from None
+        self._host = HostSlices(slices, host_values, host_indices)
 
     @property
     def values(self) -> Any:
