@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from xreduce import _transports
+from xreduce import _sparse, _transports
 from xreduce._arrays import check_dtype, device_of, is_tensor, to_host
 from xreduce._call import Algorithm, BroadcastCall, Pair, ReduceCall
 from xreduce._client import Client
@@ -161,12 +161,18 @@ def validate_destinations(destinations: Any) -> None:
 
 
 def _as_per_replica(value: Any, argument: str) -> DistributedValues:
-    """``value`` as a distributed value, its dtypes checked; ``argument`` names it in the messages."""
+    """``value`` as a distributed value, its dtypes checked; ``argument`` names it in the messages.
+
+    A value whose components mix ``IndexedSlices`` and dense arrays is made dense, as TF adds them.
+    """
     if isinstance(value, DistributedValues):
         for i, component in enumerate(value.values):
-            check_dtype(component, f"{argument}.values[{i}]")
+            _sparse.check_component(component, f"{argument}.values[{i}]")
+        dense = _sparse.uniform(value.values)
+        if dense is not None:
+            return type(value)(dense, devices=value._devices)
         return value
-    check_dtype(value, argument)
+    _sparse.check_component(value, argument)
     return PerReplica((value,))
 
 
@@ -225,14 +231,16 @@ class CrossDeviceOps:
 
         Args:
             reduce_op: ``ReduceOp.SUM``/``MEAN`` or the string, any case.
-            per_replica_value: a :class:`PerReplica`, or one array (a one-replica value).
+            per_replica_value: a :class:`PerReplica`, or one array (a one-replica value);
+                its components may be :class:`~xreduce.distribute.IndexedSlices`, which
+                are concatenated as TF does (see :mod:`xreduce._sparse`).
             destinations: a device string, a :class:`DistributedValues` (its
                 devices), or a list of device strings.
             options: :class:`CommunicationOptions`.
 
         Returns:
             A :class:`Mirrored` over the destination devices, or a plain array
-            when there is one destination device.
+            when there is one destination device; ``IndexedSlices`` for a sparse value.
 
         Raises:
             ValueError: TF's client-side checks; a value of a dtype the daemon
@@ -257,6 +265,9 @@ class CrossDeviceOps:
                      options: CommunicationOptions | None = None) -> list[Any]:
         """Reduces each (value, destinations) pair; pairs that all-reduce over
         one device set are packed together (``num_packs``).
+
+        A batch that mixes dense and sparse values is split as TF splits it: the
+        dense ones are reduced (and packed) together, the sparse ones concatenated.
 
         Returns:
             A list with one result per pair (as :meth:`reduce` returns them);
@@ -341,16 +352,30 @@ class CrossDeviceOps:
             if group is not None:
                 raise ValueError("accumulation_fn runs in one process; it cannot reduce across the processes "
                                  f"of group {group.group!r}")
-            return [self._accumulated(op, accumulate, pair) for pair in resolved]
+            return self._accumulated_batch(op, accumulate, resolved, options, single)
         # TF's shortcut: one replica whose destinations are its own device (never across processes).
         first = set(resolved[0].devices) if resolved else set()
         if group is None and len(first) == 1 and all(set(p.devices) == set(p.destinations) == first
                                                      for p in resolved):
             return [_regroup_local(p.value) for p in resolved]
+        return self._send(op, resolved, options, group, single)
+
+    def _send(self, op: ReduceOp, resolved: tuple[Pair, ...], options: CommunicationOptions,
+              group: ProcessGroup | None, single: bool) -> list[Any]:
         algorithm = self._algorithm()
         with _transports.collective(self._client, group) as spec:
             call = ReduceCall(op.value, resolved, algorithm, options.timeout_seconds, spec, single)
             return _transports.choose(self._client, call).reduce(call)
+
+    def _accumulated_batch(self, op: ReduceOp, accumulate: Callable, resolved: tuple[Pair, ...],
+                           options: CommunicationOptions, single: bool) -> list[Any]:
+        """Dense pairs through ``accumulation_fn``; sparse ones concatenated by the daemon, as TF's
+        ``aggregate_tensors_or_indexed_slices`` ignores ``accumulation_fn`` for them."""
+        sparse = [i for i, p in enumerate(resolved) if _sparse.is_sparse(p.value.values)]
+        concatenated = iter(self._send(op, tuple(resolved[i] for i in sparse), options, None, single)
+                            if sparse else ())
+        return [next(concatenated) if i in sparse else self._accumulated(op, accumulate, pair)
+                for i, pair in enumerate(resolved)]
 
     def _accumulated(self, op: ReduceOp, accumulate: Callable, pair: Pair) -> Any:
         """``accumulation_fn`` over host copies of the value, here; the total broadcast to the destinations."""
@@ -396,6 +421,8 @@ def _writable_numpy(a: np.ndarray) -> np.ndarray:
 
 def _regroup_local(value: DistributedValues) -> Any:
     host = value.hosts()[0]
+    if isinstance(host, _sparse.HostSlices):
+        return _sparse.copy(host)
     return host.restore(np.array(host.array, copy=True))
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf import duration_pb2
 
-from xreduce import _ipc, _stall, _streaming
+from xreduce import _ipc, _sparse, _stall, _streaming
 from xreduce._call import Algorithm, BroadcastCall, ReduceCall
 from xreduce._client import Client
 from xreduce._errors import XReduceError
@@ -63,7 +63,8 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
     Shared memory when the daemon shares this host (CUDA IPC for CuPy values it
     can open); with ``auto``, a call that finds no room in ``/dev/shm`` takes
     the wire instead. On the wire, a single-process batch over
-    :data:`xreduce._streaming.STREAM_THRESHOLD_BYTES` streams.
+    :data:`xreduce._streaming.STREAM_THRESHOLD_BYTES` streams. A call with sparse values
+    (``IndexedSlices``) takes the wire whatever the transport.
 
     Raises:
         xreduce.InvalidArgumentError: transport ``shm`` and no shared memory with the daemon.
@@ -77,6 +78,8 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
         >>> type(choose(Client("127.0.0.1:1", transport="wire"), call)).__name__
         'WirePath'
     """
+    if isinstance(call, ReduceCall) and any(_sparse.is_sparse(p.value.values) for p in call.pairs):
+        return WirePath(client)  # a sparse result's size is known only once reduced: no output region to stage
     sends_tensors = isinstance(call, ReduceCall) or call.tensor is not None
     shm = client.shared_memory() if sends_tensors else None
     if shm is None:
@@ -158,7 +161,7 @@ def _send(client: Client, call: ReduceCall, values: list[pb.DistributedValue], s
 
 
 def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:
-    arrays = [restore(decode(c.tensor)) for c in result.components]
+    arrays = [_sparse.result(c, restore, decode) for c in result.components]
     if len(arrays) == 1:
         return arrays[0]
     return Mirrored(arrays, devices=[c.device for c in result.components])
@@ -171,8 +174,8 @@ class WirePath(Transport):
     """Tensors as bytes in the request and reply messages."""
 
     def reduce(self, call: ReduceCall) -> list[Any]:
-        values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=codec.encode(h.array))
-                                                  for d, h in zip(p.devices, p.value.hosts())]) for p in call.pairs]
+        values = [pb.DistributedValue(components=[_sparse.component(d, h) for d, h in zip(p.devices, p.value.hosts())])
+                  for p in call.pairs]
         results = _send(self._client, call, values)
         return [_regroup(r, p.value.hosts()[0].restore) for r, p in zip(results, call.pairs)]
 

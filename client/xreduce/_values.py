@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from xreduce._arrays import HostArray, to_host
+from xreduce._arrays import HostArray
+from xreduce._sparse import HostSlices, host
 from xreduce.wire.devices import canonical
 
 
@@ -13,7 +14,8 @@ class DistributedValues:
     """Values spread over devices: ``values[i]`` lives on ``devices[i]``.
 
     Args:
-        values: one array (or tensor-like) per device.
+        values: one array (or tensor-like) per device, or one
+            :class:`~xreduce.distribute.IndexedSlices` per device.
         devices: device names in any DeviceSpec form; when omitted they come
             from the arrays that carry a device (CuPy, CUDA torch/JAX), else
             they are the daemon's first ``len(values)`` devices, resolved when
@@ -37,7 +39,7 @@ class DistributedValues:
         self._values = tuple(values)
         if not self._values:
             raise ValueError(f"{type(self).__name__} needs at least one value; got []")
-        self._hosts: tuple[HostArray, ...] | None = None
+        self._hosts: tuple[HostArray | HostSlices, ...] | None = None
         if devices is not None:
             if isinstance(devices, str) or len(devices) != len(self._values):
                 raise ValueError(
@@ -92,10 +94,10 @@ class DistributedValues:
             self._devices = tuple(names[: len(self._values)])
         return self._devices
 
-    def hosts(self) -> tuple[HostArray, ...]:
-        """The values converted to host arrays (cached)."""
+    def hosts(self) -> tuple[HostArray | HostSlices, ...]:
+        """The values converted to host arrays (cached); an ``IndexedSlices`` to a ``HostSlices``."""
         if self._hosts is None:
-            self._hosts = tuple(to_host(v) for v in self._values)
+            self._hosts = tuple(host(v) for v in self._values)
         return self._hosts
 
     def __len__(self) -> int:

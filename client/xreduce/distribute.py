@@ -19,6 +19,7 @@ from xreduce._ops import (
     ReduceOp,
     ReductionToOneDevice,
 )
+from xreduce._sparse import IndexedSlices
 from xreduce._strategy import (
     MirroredStrategy,
     ReplicaContext,
@@ -35,6 +36,7 @@ __all__ = [
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "IndexedSlices",
     "Mirrored",
     "MirroredStrategy",
     "PerReplica",

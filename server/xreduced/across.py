@@ -17,6 +17,12 @@ collective of the group runs in three steps:
    count;
 3. back down, the total is copied to every destination of the node's processes.
 
+A sparse value (TF's IndexedSlices) is not added but concatenated: each node
+concatenates its processes' replicas (global device order within the node), the
+nodes all-gather those in node order (:func:`gather_across`), and every node
+concatenates them in node order, then MEAN divides the values by the global
+replica count.
+
 Before the bytes, the nodes exchange a small header: whether each node's
 processes agreed (or why not), a signature of the collective (kind, op,
 options, dtypes, shapes), and its replica count; a node whose processes
@@ -34,6 +40,7 @@ from collections.abc import Mapping
 
 import numpy as np
 from xreduce.wire import codec
+from xreduce.wire.sparse import Slices, concat
 
 from xreduced import gloo, planner
 from xreduced.backends.numpy_backend import divide
@@ -47,7 +54,7 @@ from xreduced.collective import (
     join_shares,
     share_of,
 )
-from xreduced.engine import MEAN, SUM, Engine, Result, Value
+from xreduced.engine import MEAN, SUM, Engine, Result, Value, is_sparse
 from xreduced.errors import InvalidArgument, ServiceError
 from xreduced.executor import Deadline
 
@@ -107,7 +114,7 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
                                dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
         templates = [v.arrays[0] for v, _ in joined]
-        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [(a.dtype.str, a.shape) for a in templates])
+        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [_agreed(a) for a in templates])
         mine = header(_OK, sig, len(joined[0][0].devices) if joined else 0, sum(a.nbytes for a in templates))
     except InvalidArgument as e:
         refused, mine = e, header(_REFUSED)
@@ -115,19 +122,80 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
     def work(gloo_engine, headers, timeout):
         if not (all(h[0] == _OK for h in headers) and _agree(headers)):
             return None, 0
-        return node_sums_across(engine, gloo_engine, joined, ref, deadline, timeout)
+        sparse = [t for t, (v, _) in enumerate(joined) if is_sparse(v)]
+        dense = [t for t in range(len(joined)) if t not in sparse]
+        totals: list = [None] * len(joined)
+        moved = 0
+        if dense:
+            sums, moved = node_sums_across(engine, gloo_engine, [joined[t] for t in dense], ref, deadline, timeout)
+            for t, total in zip(dense, sums):
+                totals[t] = total
+        if sparse:
+            gathered, n = gather_across(gloo_engine, [concat(joined[t][0].arrays) for t in sparse], timeout)
+            for t, total in zip(sparse, gathered):
+                totals[t] = total
+            moved += n
+        return totals, moved
 
     headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
     _check_headers(cluster, headers, what)
     total_replicas = int(sum(h[2] for h in headers))
-    finals = [divide(np, t, total_replicas) if ref.op == MEAN else t for t in totals]
+    finals = [_mean(t, total_replicas) if ref.op == MEAN else t for t in totals]
     results: dict[int, list[Result]] = {}
     for pid, c in shares.items():
         results[pid] = [_place(engine, finals[t], dests, c.out[t] if c.out is not None else None, routes[t])
                         for t, (_, dests) in enumerate(c.pairs)]
     return results
+
+
+def _agreed(template: np.ndarray | Slices) -> tuple:
+    """What the nodes must agree on for one tensor (a sparse one's rows are each node's own)."""
+    if isinstance(template, Slices):
+        dtype, rows, dense_shape = template.spec()
+        return "sparse", dtype.str, rows, dense_shape
+    return template.dtype.str, template.shape
+
+
+def _mean(total: np.ndarray | Slices, replicas: int) -> np.ndarray | Slices:
+    if isinstance(total, Slices):
+        return Slices(divide(np, total.values, replicas), total.indices, total.dense_shape)
+    return divide(np, total, replicas)
+
+
+def gather_across(engine: gloo.GlooEngine, parts: list[Slices], timeout: float) -> tuple[list[Slices], int]:
+    """Every node's sparse ``parts`` concatenated in node order, the same on every node; returns
+    (the concatenations, bytes moved).
+
+    Two all-gathers: each node's row counts and index dtypes, then the rows and indices (int64 on the
+    way), padded to the longest node's. The nodes agreed on the values' dtype and row shape (the header's
+    signature). The indices stay int32 when every node's are (TF's rule, :func:`~xreduce.wire.sparse.concat`).
+    """
+    meta = np.array([[p.values.shape[0], p.indices.dtype == np.int64] for p in parts], np.int64)
+    metas = [m.view(np.int64).reshape(len(parts), 2) for m in engine.all_gather(meta.reshape(-1).view(np.uint8),
+                                                                               timeout)]
+    row_bytes = [p.values.dtype.itemsize * int(np.prod(p.values.shape[1:])) for p in parts]
+    sizes = [int(sum(m[i, 0] * (row_bytes[i] + 8) for i in range(len(parts)))) for m in metas]
+    payload = np.zeros(max(sizes), np.uint8)
+    mine = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for p in parts
+                           for a in (p.values, p.indices.astype(np.int64))])
+    payload[:mine.size] = mine
+    received = engine.all_gather(payload, timeout)
+    out = []
+    offsets = [0] * len(received)
+    for i, p in enumerate(parts):
+        pieces = []
+        for node, (m, data) in enumerate(zip(metas, received)):
+            rows = int(m[i, 0])
+            at = offsets[node]
+            values = data[at:at + rows * row_bytes[i]].view(p.values.dtype).reshape((rows, *p.values.shape[1:]))
+            at += rows * row_bytes[i]
+            indices = data[at:at + rows * 8].view(np.int64)
+            offsets[node] = at + rows * 8
+            pieces.append(Slices(values, indices if m[i, 1] else indices.astype(np.int32), p.dense_shape))
+        out.append(concat(pieces))
+    return out, int(meta.nbytes * len(received) + payload.nbytes * len(received))
 
 
 def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list, ref: Contribution,
@@ -278,9 +346,12 @@ def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) 
             "source, or a tensor's dtype or shape")
 
 
-def _place(engine: Engine, total: np.ndarray, dests: tuple[int, ...], out: Mapping[int, np.ndarray] | None,
-           route: str) -> Result:
-    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded."""
+def _place(engine: Engine, total: np.ndarray | Slices, dests: tuple[int, ...],
+           out: Mapping[int, np.ndarray] | None, route: str) -> Result:
+    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded;
+    a sparse total stays on the host, the same on every destination."""
+    if isinstance(total, Slices):
+        return Result(tuple(dests), (total,) * len(dests), planner.REDUCTION_TO_ONE_DEVICE)
     arrays = []
     for d in dests:
         if out is not None and d in out:

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
+from xreduce.wire.sparse import Slices
 
 from xreduced.engine import Engine, Result, Value
 from xreduced.errors import InvalidArgument
@@ -61,8 +62,14 @@ def label(group: str, sequence: int, name: str) -> str:
     return f'collective {ident} in group "{group}"'
 
 
-def _shape(arr: np.ndarray) -> str:
-    return f"{arr.dtype.name}{list(arr.shape)}"
+def _shape(arr: np.ndarray | Slices) -> str:
+    return repr(arr) if isinstance(arr, Slices) else f"{arr.dtype.name}{list(arr.shape)}"
+
+
+def _spec(arr: np.ndarray | Slices) -> tuple:
+    """What the processes must agree on for one tensor: dtype and shape; for a sparse one, the values'
+    dtype, the rows' shape and the dense shape (each process sends its own number of rows)."""
+    return ("sparse", *arr.spec()) if isinstance(arr, Slices) else ("dense", arr.dtype, arr.shape)
 
 
 def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: str,
@@ -121,7 +128,7 @@ def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) 
             check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
         for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
             mine, theirs = value.arrays[0], ref_value.arrays[0]
-            if mine.dtype != theirs.dtype or mine.shape != theirs.shape:
+            if _spec(mine) != _spec(theirs):
                 raise InvalidArgument(
                     f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
                     f"for tensor {t} of {what}"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
+from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
 
 from xreduced import planner
@@ -238,7 +239,8 @@ def devices(names: Sequence[str], field: str, table: DeviceTable) -> tuple[int, 
 
 
 def value(message: pb.DistributedValue, field: str, table: DeviceTable, regions: CallRegions | None) -> Value:
-    """A DistributedValue: each component's device and its tensor (see :func:`tensor`).
+    """A DistributedValue: each component's device and its tensor (see :func:`tensor`), or its
+    ``indexed_slices`` (a :class:`~xreduce.wire.sparse.Slices`, see :func:`xreduce.wire.sparse.decode`).
 
     Example:
         >>> from xreduced.backends import DeviceInfo
@@ -250,7 +252,13 @@ def value(message: pb.DistributedValue, field: str, table: DeviceTable, regions:
     where, arrays = [], []
     for p, comp in enumerate(message.components):
         where.append(table.resolve(comp.device, f"{field}.components[{p}].device"))
-        arrays.append(tensor(comp.tensor, f"{field}.components[{p}].tensor", regions))
+        if comp.HasField("indexed_slices"):
+            if comp.HasField("tensor"):
+                raise InvalidArgument(f"{field}.components[{p}]: sets both tensor and indexed_slices; a component "
+                                      "is one of them")
+            arrays.append(wire_sparse.decode(comp.indexed_slices, f"{field}.components[{p}].indexed_slices"))
+        else:
+            arrays.append(tensor(comp.tensor, f"{field}.components[{p}].tensor", regions))
     return Value(tuple(where), tuple(arrays), field)
 
 
@@ -387,7 +395,7 @@ def encoding(values: Sequence[pb.DistributedValue]) -> str:
     """
     for v in values:
         for comp in v.components:
-            if codec.encoding_of(comp.tensor) == codec.TYPED:
+            if codec.TYPED in (codec.encoding_of(comp.tensor), wire_sparse.encoding_of(comp.indexed_slices)):
                 return codec.TYPED
     return codec.RAW
 

@@ -3,7 +3,9 @@
 The service decodes requests into :class:`Value` objects (device indices and
 numpy arrays) and calls :class:`Engine`; everything here is independent of
 the wire format. Routing follows TF 2.21's HierarchicalCopyAllReduce and
-ReductionToOneDevice with the project's fixes (DESIGN.md §3).
+ReductionToOneDevice with the project's fixes (DESIGN.md §3). Sparse values
+(:class:`~xreduce.wire.sparse.Slices`, TF's IndexedSlices) are split from a
+batch as TF splits them and concatenated (:meth:`Engine.batch_reduce`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from xreduce.wire.contract import mean_dtype
+from xreduce.wire.sparse import Slices, concat
 
 from xreduced import planner
 from xreduced.backends import Backend
+from xreduced.backends.numpy_backend import divide
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Deadline, check_out, execute
 
@@ -27,7 +31,8 @@ MAX_NUM_PACKS = 65536
 
 @dataclasses.dataclass(frozen=True)
 class Value:
-    """A per-replica value: ``arrays[p]`` lives on device ``devices[p]``.
+    """A per-replica value: ``arrays[p]`` lives on device ``devices[p]``; every array a
+    :class:`~xreduce.wire.sparse.Slices` for a sparse value (host arrays, whatever the backend).
 
     ``field`` is where it came from in the request, for error messages.
     """
@@ -66,12 +71,38 @@ def check_value(value: Value, label=str) -> None:
             )
         seen[d] = p
     first = value.arrays[0]
+    if any(isinstance(a, Slices) for a in value.arrays):
+        _check_sparse(value)
+        return
     for p, arr in enumerate(value.arrays[1:], 1):
         if arr.dtype != first.dtype or arr.shape != first.shape:
             raise InvalidArgument(
                 f"{f}.components[{p}].tensor: replicas must agree in dtype and shape; got "
                 f"{_label(arr)} but components[0] is {_label(first)}"
             )
+
+
+def _check_sparse(value: Value) -> None:
+    f, first = value.field, value.arrays[0]
+    for p, arr in enumerate(value.arrays):
+        if not isinstance(arr, Slices):
+            raise InvalidArgument(
+                f"{f}.components[{p}]: a value's components are all tensors or all indexed_slices; got a tensor "
+                f"{_label(arr)} beside indexed_slices {next(a for a in value.arrays if isinstance(a, Slices))!r}")
+        if arr.spec() != first.spec():
+            raise InvalidArgument(
+                f"{f}.components[{p}].indexed_slices: replicas must agree in the values' dtype, the rows' shape "
+                f"and dense_shape; got {arr!r} but components[0] is {first!r}")
+
+
+def is_sparse(value: Value) -> bool:
+    """Whether a (checked) value is sparse.
+
+    Example:
+        >>> is_sparse(Value((0,), (Slices(np.ones((1, 2)), np.array([0]), (3, 2)),)))
+        True
+    """
+    return isinstance(value.arrays[0], Slices)
 
 
 def check_destinations(destinations: Sequence[int], field: str, label=str, *, required: str | None = None) -> None:
@@ -212,6 +243,10 @@ class Engine:
         resolved = self.validate(op, pairs, num_packs, dest_fields)
         if not resolved:
             return []
+        sparse = [i for i, (v, _) in enumerate(resolved) if is_sparse(v)]
+        if sparse:
+            return self._split_by_sparsity(op, resolved, sparse, num_packs=num_packs, algorithm=algorithm,
+                                           reduce_to=reduce_to, deadline=deadline, dest_fields=dest_fields, out=out)
         routes = self._routes(resolved, algorithm, num_packs)
         outs = self._check_outs(op, resolved, routes, out)
         deadline = deadline or Deadline(None)
@@ -229,6 +264,47 @@ class Engine:
             else:
                 results.append(self._to_one(value, dests, o, mean, reduce_to, deadline))
         return results
+
+    def _split_by_sparsity(self, op: str, resolved: list[tuple[Value, tuple[int, ...]]], sparse: list[int], *,
+                           dest_fields: Sequence[str] | None, out: Sequence[Mapping[int, np.ndarray] | None] | None,
+                           **options) -> list[Result]:
+        """TF's ``_split_by_sparsity``: the dense pairs reduced as a batch of their own (packed together
+        when they all-reduce over one device set), each sparse pair concatenated (:meth:`_concat`)."""
+        for i in sparse:
+            if out is not None and out[i] is not None:
+                raise InvalidArgument(f"out[{i}]: pairs[{i}] is sparse; its size is known only once reduced, so it "
+                                      "cannot go to an out array")
+        dense = [i for i in range(len(resolved)) if i not in sparse]
+        fields = dest_fields or [f"pairs[{i}].destinations" for i in range(len(resolved))]
+        results: list[Result | None] = [None] * len(resolved)
+        if dense:
+            reduced = self.batch_reduce(op, [resolved[i] for i in dense], dest_fields=[fields[i] for i in dense],
+                                        out=None if out is None else [out[i] for i in dense], **options)
+            for i, result in zip(dense, reduced):
+                results[i] = result
+        for i in sparse:
+            results[i] = self._concat(op, *resolved[i])
+        return results
+
+    def _concat(self, op: str, value: Value, dests: tuple[int, ...]) -> Result:
+        """TF's reduction of a sparse value (``ReductionToOneDevice``): the replicas' values and indices
+        concatenated in device order, MEAN dividing the values by the replica count; the same result on every
+        destination. One replica onto its own device is TF's shortcut: returned as it is, even for MEAN.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> a, b = (Slices(np.array([[v]]), np.array([i]), (4, 1)) for v, i in ((1.0, 3), (3.0, 0)))
+            >>> r = Engine(NumpyBackend(2))._concat(MEAN, Value((0, 1), (a, b)), (1,))
+            >>> r.route, r.arrays[0].values.tolist(), r.arrays[0].indices.tolist()
+            ('reduction_to_one_device', [[0.5], [1.5]], [3, 0])
+        """
+        route = _sparse_route(value, dests)
+        if route == planner.IDENTITY:
+            return Result(value.devices, value.arrays, route)
+        total = concat(value.arrays)
+        if op == MEAN:
+            total = Slices(divide(np, total.values, len(value.devices)), total.indices, total.dense_shape)
+        return Result(dests, (total,) * len(dests), route)
 
     def routes(
         self,
@@ -280,6 +356,11 @@ class Engine:
         return all(set(d) == set(v.devices) == ref for v, d in resolved)
 
     def _routes(self, resolved, algorithm: str, num_packs: int) -> list[str]:
+        sparse = {i for i, (v, _) in enumerate(resolved) if is_sparse(v)}
+        if sparse:
+            dense = iter(self._routes([p for i, p in enumerate(resolved) if i not in sparse], algorithm, num_packs)
+                         if len(sparse) < len(resolved) else ())
+            return [_sparse_route(*p) if i in sparse else next(dense) for i, p in enumerate(resolved)]
         if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
             if len(resolved[0][0].devices) > 1 and num_packs > 0:
                 _check_one_dtype([v for v, _ in resolved], num_packs)
@@ -393,6 +474,13 @@ class Engine:
         results = execute(plan, self.backend, [[x] for x in value.arrays], mean=mean, deadline=deadline,
                           out=_per_tensor([out]))
         return Result(dests, tuple(results[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
+
+
+def _sparse_route(value: Value, dests: Sequence[int]) -> str:
+    """A sparse value's route: TF's one-replica shortcut, else reduction to one device (its concatenation)."""
+    if len(value.devices) == 1 and set(dests) == set(value.devices):
+        return planner.IDENTITY
+    return planner.REDUCTION_TO_ONE_DEVICE
 
 
 def _check_one_dtype(values: list[Value], num_packs: int) -> None:

@@ -19,6 +19,7 @@ import time
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import codec
+from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
@@ -28,7 +29,7 @@ from xreduced.cluster import ClusterGroup
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, reduce_together
 from xreduced.config import Config
 from xreduced.devices import DeviceTable
-from xreduced.engine import Engine, Result, Value, check_destinations, result_dtype
+from xreduced.engine import Engine, Result, Value, check_destinations, is_sparse, result_dtype
 from xreduced.errors import Aborted, InvalidArgument, NotFound, ServiceError
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
@@ -415,6 +416,10 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             resolved = self.engine.validate(op, pairs, options.num_packs, dest_fields)
             slots = [None] * len(resolved)
             if request.HasField("output"):
+                for (value, _), field in zip(resolved, value_fields):
+                    if is_sparse(value):
+                        raise InvalidArgument(f"output: {field} is sparse (indexed_slices), whose result's size is "
+                                              "known only once reduced; send sparse values without an output region")
                 # Across processes a value always has several replicas: never the identity route.
                 routes = [planner.HIERARCHICAL_COPY] * len(resolved) if group is not None else self.engine.routes(
                     op, pairs, algorithm=options.algorithm, num_packs=options.num_packs, dest_fields=dest_fields)
@@ -517,6 +522,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         engine wrote into an output region, components that name its slices."""
         if slots is None:
             return pb.DistributedValue(components=[
+                pb.Component(device=self.devices.name(d).canonical, indexed_slices=wire_sparse.encode(a, encoding))
+                if isinstance(a, wire_sparse.Slices) else
                 pb.Component(device=self.devices.name(d).canonical,
                              tensor=codec.encode(self.engine.backend.to_host(a), encoding))
                 for d, a in zip(result.devices, result.arrays)

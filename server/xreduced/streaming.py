@@ -343,6 +343,9 @@ class _Stream:
             devices, views, ins = [], [], []
             for c, comp in enumerate(pair.value.components):
                 devices.append(service.devices.resolve(comp.device, f"{field}.components[{c}].device"))
+                if comp.HasField("indexed_slices"):
+                    raise InvalidArgument(f"{field}.components[{c}].indexed_slices: ReduceStream carries dense "
+                                          "tensors only; send sparse values with Reduce or BatchReduce")
                 dtype, shape = decode.streamed(comp.tensor, f"{field}.components[{c}].tensor")
                 try:
                     views.append(np.broadcast_to(np.zeros((), dtype), shape))  # the shape, without its memory

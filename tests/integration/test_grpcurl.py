@@ -20,7 +20,7 @@ from xreduced.backends import dgx1_peer_matrix
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "grpcurl"
-SCRIPTS = ["list.sh", "devices.sh", "reduce.sh", "batch_reduce.sh", "broadcast.sh"]
+SCRIPTS = ["list.sh", "devices.sh", "reduce.sh", "batch_reduce.sh", "broadcast.sh", "reduce_sparse.sh"]
 BIN = os.path.dirname(sys.executable)
 GRPCURL = shutil.which("grpcurl", path=BIN + os.pathsep + os.environ.get("PATH", ""))
 TIMEOUT = 60
@@ -126,6 +126,27 @@ def test_batch_reduce_means_each_pair(daemon):
 def test_broadcast_copies_to_each_destination(daemon):
     reply = json.loads(_ok(_script("broadcast.sh", daemon.address)))
     assert reply == {"result": {"components": [_component(d, [2, 2], [1.5, -2, 0.25, 4]) for d in (1, 2)]}}
+
+
+def test_reduce_sparse_concatenates_onto_both_devices(daemon):
+    """TF's IndexedSlices reduction: rows and indices concatenated in device order, on each device."""
+    reply = json.loads(_ok(_script("reduce_sparse.sh", daemon.address)))
+    sparse = {"values": {"dtype": "DATA_TYPE_FLOAT32", "shape": ["3", "2"], "float_values": [1, 2, 3, 4, 5, 6]},
+              "indices": {"dtype": "DATA_TYPE_INT64", "shape": ["3"], "int_values": ["0", "3", "0"]},
+              "dense_shape": ["4", "2"]}
+    assert reply == {"result": {"components": [{"device": CANONICAL.format(d), "indexed_slices": sparse}
+                                               for d in (0, 1)]},
+                     "route": "ROUTE_REDUCTION_TO_ONE_DEVICE"}
+
+
+def test_bad_sparse_value_names_the_field(daemon):
+    data = {"reduce_op": "REDUCE_OP_SUM", "value": {"components": [{"device": "CPU:0", "indexed_slices": {
+        "values": {"dtype": "DATA_TYPE_FLOAT32", "shape": [1, 2], "float_values": [1, 2]},
+        "indices": {"dtype": "DATA_TYPE_INT64", "shape": [1], "int_values": [4]}, "dense_shape": [4, 2]}}]}}
+    proc = _grpcurl(daemon.address, f"{SERVICE}/Reduce", json.dumps(data))
+    assert proc.returncode == 67, proc.stderr  # 64 + INVALID_ARGUMENT
+    assert ("value.components[0].indexed_slices.indices: each must be in [0, dense_shape[0]) = [0, 4); got "
+            "indices[0] = 4") in proc.stderr
 
 
 @pytest.mark.parametrize("service", ["", SERVICE])

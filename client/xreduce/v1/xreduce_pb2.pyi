@@ -103,14 +103,26 @@ class RegionSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class Component(_message.Message):
-    __slots__ = ("device", "tensor", "copy_of")
+    __slots__ = ("device", "tensor", "copy_of", "indexed_slices")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     COPY_OF_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_SLICES_FIELD_NUMBER: _ClassVar[int]
     device: str
     tensor: Tensor
     copy_of: int
-    def __init__(self, device: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., copy_of: _Optional[int] = ...) -> None: ...
+    indexed_slices: IndexedSlices
+    def __init__(self, device: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., copy_of: _Optional[int] = ..., indexed_slices: _Optional[_Union[IndexedSlices, _Mapping]] = ...) -> None: ...
+
+class IndexedSlices(_message.Message):
+    __slots__ = ("values", "indices", "dense_shape")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    values: Tensor
+    indices: Tensor
+    dense_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., dense_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DistributedValue(_message.Message):
     __slots__ = ("components",)
