@@ -7,8 +7,8 @@ and the sum of the placements is the concatenation. Sizes along the axis may
 differ between replicas: in a multi-process job one small SUM of every
 replica's shape comes first (in one process they are known). Adding zeros
 changes no value but the sign of a negative zero, which comes back as ``0.0``.
-One batch of values costs those two collectives, each replica sending the
-gathered size.
+A batch of values costs one collective per dtype in it besides, each replica
+sending the gathered size.
 """
 
 from __future__ import annotations
@@ -93,7 +93,12 @@ def batch_gather(reduce: Callable[[ReduceOp, list[tuple[Any, Any]]], list[Any]],
         gathered, offsets = placements(value_shapes, axis)
         parts = [place(h.array, gathered, axis, offsets[first_id + i]) for i, h in enumerate(value)]
         padded.append((PerReplica(parts, devices=devices), destinations))
-    results = reduce(ReduceOp.SUM, padded)
+    # One batch per dtype, in one order on every process: a packed batch holds one dtype.
+    results: list[Any] = [None] * len(padded)
+    for dtype in sorted({value[0].array.dtype.str for value in hosts}):
+        chosen = [i for i, value in enumerate(hosts) if value[0].array.dtype.str == dtype]
+        for i, r in zip(chosen, reduce(ReduceOp.SUM, [padded[i] for i in chosen])):
+            results[i] = r
     return [_restored(r, value[0]) for r, value in zip(results, hosts)]
 
 

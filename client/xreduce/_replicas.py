@@ -212,7 +212,7 @@ class Meeting:
                 self._cond.wait()
             if not replica.answered:
                 raise Stopped
-            replica.merge, answer, replica.answer = None, replica.answer, None
+            answer, replica.answer = replica.answer, None
             return answer
 
     def run(self, bodies: Sequence[Callable[[], Any]], regroup: Callable[[list[tuple], bool], tuple],
@@ -302,7 +302,7 @@ class Meeting:
         result = first.fn(*args, **kwargs)
         with self._cond:
             for r in waiting:
-                r.answer, r.answered = select(r.index, result), True
+                r.answer, r.answered, r.merge = select(r.index, result), True, None
             self._cond.notify_all()
 
 
