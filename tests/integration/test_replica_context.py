@@ -85,7 +85,8 @@ def test_all_reduce_of_nested_values_in_one_batch_across_eight_replicas(daemon):
 
     grads, n, same, has = strategy.run(fn)
     assert (n, same, has) == (8, True, True)
-    for w, b in zip(strategy.experimental_local_results(grads["w"]), strategy.experimental_local_results(grads["b"][0])):
+    local = strategy.experimental_local_results
+    for w, b in zip(local(grads["w"]), local(grads["b"][0])):
         np.testing.assert_array_equal(w, np.full((2, 2), 28.0))
         assert b == 28 and b.dtype == np.int32
 

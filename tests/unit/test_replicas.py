@@ -182,7 +182,7 @@ def test_default_strategy_runs_in_replica_zero_and_communicates_nothing():
     assert strategy.extended.broadcast_to(x, "CPU:0") is x and strategy.gather(x, 0) is x
     assert strategy.experimental_distribute_values_from_function(lambda c: c.num_replicas_in_sync) == 1
     with pytest.raises(RuntimeError, match="worker_devices"):
-        strategy.extended.worker_devices
+        _ = strategy.extended.worker_devices
 
 
 def test_merge_call_in_cross_replica_context_is_refused():
