@@ -1,91 +1,40 @@
 """``MirroredStrategy``: one replica per device, reductions through the daemon.
 
-Replicas run one after another in this process (the daemon does the cross-
-device work), so a replica function must not wait for the other replicas.
+``run`` runs each local replica in a thread of its own, as TF's eager
+``MirroredStrategy`` does, so that replicas meet in the collectives of their
+``ReplicaContext`` (:mod:`xreduce._replicas`); every reduction, broadcast and
+gather is a call to the daemon, which spans the processes of a multi-process job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
+from xreduce import _gather
+from xreduce._contexts import ReplicaContext, ValueContext, entered, in_replica_context_of_a_strategy
 from xreduce._errors import NotFoundError
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
+from xreduce._replicas import Meeting, regroup, select_replica
 from xreduce._runtime import ProcessGroup, process_group
 from xreduce._values import DistributedValues, PerReplica
 from xreduce.wire.devices import DeviceName, canonical
 
-_state = threading.local()
-
-
-def _stack(name: str) -> list:
-    if not hasattr(_state, name):
-        setattr(_state, name, [])
-    return getattr(_state, name)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaContext:
-    """Where a replica function runs: its replica id and the replica count.
-
-    Example:
-        >>> ReplicaContext(None, 1, 4).replica_id_in_sync_group
-        1
-    """
-
-    strategy: Any
-    replica_id_in_sync_group: int
-    num_replicas_in_sync: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueContext:
-    """What ``experimental_distribute_values_from_function`` passes to its function.
-
-    Example:
-        >>> ValueContext(0, 2).num_replicas_in_sync
-        2
-    """
-
-    replica_id_in_sync_group: int = 0
-    num_replicas_in_sync: int = 1
-
-
-def get_replica_context() -> ReplicaContext | None:
-    """The context of the replica function running now, or None outside ``run``.
-
-    Example:
-        >>> get_replica_context() is None
-        True
-    """
-    stack = _stack("replicas")
-    return stack[-1] if stack else None
-
-
-def get_strategy() -> MirroredStrategy | None:
-    """The strategy whose ``scope()`` is active, or None.
-
-    Example:
-        >>> get_strategy() is None
-        True
-    """
-    stack = _stack("strategies")
-    return stack[-1] if stack else None
-
-
-def has_strategy() -> bool:
-    """Whether a strategy's ``scope()`` is active."""
-    return get_strategy() is not None
+STATUS_TIMEOUT_SECONDS = 10.0
+"""How long ``run`` waits for the daemon's ``GetStatus`` (its collective timeout), asked once per strategy."""
 
 
 def reduce_non_distributed_value(reduce_op: ReduceOp, value: Any, num_replicas: int) -> Any:
-    """TF's rule for a plain value: MEAN keeps it; SUM keeps it only with one replica."""
+    """TF's rule for a plain value: MEAN keeps it; SUM keeps it only with one replica.
+
+    Example:
+        >>> reduce_non_distributed_value(ReduceOp.MEAN, 2.0, 4)
+        2.0
+    """
     if reduce_op is ReduceOp.MEAN or num_replicas == 1:
         return value
     raise ValueError(
@@ -132,6 +81,37 @@ class MirroredExtended:
         self._strategy._checked_devices()
         return self._strategy.cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options)
 
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to ``destinations`` (TF's ``extended.broadcast_to``): a
+        :class:`Mirrored`, or one array for one device. Python numbers come back unchanged, as
+        in TF; ``destinations`` None means the strategy's devices. In a multi-process job every
+        process calls it and process 0's tensor is sent.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     s = MirroredStrategy()
+            ...     s.extended.broadcast_to(np.arange(2), None).values[1]
+            array([0, 1])
+        """
+        if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
+            return tensor
+        devices = self._strategy._checked_devices()
+        destinations = list(devices) if destinations is None else destinations
+        return self._strategy.cross_device_ops.broadcast(tensor, destinations)
+
+    def _batch_gather_to(self, value_destination_pairs: Any, axis: int,
+                         options: CommunicationOptions | None = None) -> list[Any]:
+        """Each value gathered along ``axis`` over every replica, to its destinations (see :mod:`xreduce._gather`)."""
+        strategy = self._strategy
+        devices = strategy._checked_devices()
+
+        def reduce(op: ReduceOp, pairs: list) -> list:
+            return strategy.cross_device_ops.batch_reduce(op, pairs, options)
+
+        return _gather.batch_gather(reduce, list(value_destination_pairs), axis, devices, strategy._first_replica_id(),
+                                    strategy.num_replicas_in_sync, strategy._group() is not None)
+
 
 class MirroredStrategy:
     """Synchronous data parallelism over the daemon's devices (TF's ``MirroredStrategy``).
@@ -160,7 +140,8 @@ class MirroredStrategy:
         >>> import numpy as np, xreduce
         >>> with xreduce.serve_embedded(virtual_devices=4):
         ...     s = MirroredStrategy(cross_device_ops=HierarchicalCopyAllReduce())
-        ...     grads = s.run(lambda: np.ones(2) * (get_replica_context().replica_id_in_sync_group + 1))
+        ...     ctx = xreduce.distribute.get_replica_context
+        ...     grads = s.run(lambda: np.ones(2) * (ctx().replica_id_in_sync_group + 1))
         ...     s.reduce("sum", grads, axis=None)
         array([10., 10.])
         >>> remote = MirroredStrategy(address="10.0.0.5:50551", token="s3cret")  # asks the daemon on first use
@@ -181,6 +162,7 @@ class MirroredStrategy:
         self._devices_checked = devices is None  # else on first use: constructing needs no daemon
         self.cross_device_ops = cross_device_ops or HierarchicalCopyAllReduce(address=address, token=token)
         self.extended = MirroredExtended(self)
+        self._collective_timeout: float | None = None
 
     def _group(self) -> ProcessGroup | None:
         """The multi-process group this process joined with the daemon of ``cross_device_ops``, or None."""
@@ -226,32 +208,56 @@ class MirroredStrategy:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[MirroredStrategy]:
-        """Makes this the current strategy (:func:`get_strategy`) inside the block."""
-        stack = _stack("strategies")
-        stack.append(self)
-        try:
+        """Makes this the current strategy inside the block, in cross-replica context
+        (:func:`get_strategy` returns it, :func:`get_replica_context` None)."""
+        with entered(self, None):
             yield self
-        finally:
-            stack.pop()
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        """Calls ``fn`` once per replica; ``PerReplica`` arguments are unwrapped
-        to that replica's component, and the results are regrouped into
-        ``PerReplica`` values (nested lists, tuples and dicts are followed).
+        """Calls ``fn`` once per local replica, each in its own thread, all at once.
+
+        ``PerReplica`` arguments are unwrapped to that replica's component; inside ``fn``,
+        :func:`get_replica_context` is the replica's :class:`ReplicaContext`, whose
+        collectives (``all_reduce``, ``all_gather``, ``merge_call``) meet every replica.
+        The results are regrouped into ``PerReplica`` values (nested lists, tuples and dicts
+        are followed; an object every replica returns stays itself). An exception in a
+        replica is raised from ``run``; the other replicas are released.
+
+        Raises:
+            RuntimeError: the replicas did not make the same collective calls.
+            xreduce.DeadlineExceededError: a replica waited in a collective longer than the
+                daemon's collective timeout for the others to reach it.
         """
         devices = self._checked_devices()
         first, total = self._first_replica_id(), self.num_replicas_in_sync
-        outputs = []
-        for i in range(len(devices)):
-            replica_args = _select(i, tuple(args))
-            replica_kwargs = _select(i, dict(kwargs or {}))
-            stack = _stack("replicas")
-            stack.append(ReplicaContext(self, first + i, total))
-            try:
-                outputs.append(fn(*replica_args, **replica_kwargs))
-            finally:
-                stack.pop()
-        return _regroup(outputs, devices)
+        meeting = Meeting(len(devices), self._meeting_seconds() if len(devices) > 1 else 0.0, first_id=first)
+
+        def body(i: int) -> Callable[[], Any]:
+            replica_args = select_replica(i, tuple(args))
+            replica_kwargs = select_replica(i, dict(kwargs or {}))
+            context = ReplicaContext(self, first + i, total, _meeting=meeting, _local_index=i)
+
+            def call() -> Any:
+                with entered(self, context):
+                    return fn(*replica_args, **replica_kwargs)
+            return call
+
+        def merge_args(parts: list[tuple], always_wrap: bool) -> tuple:
+            return regroup(parts, devices, always_wrap)
+
+        def merge_in_cross_replica(index: int, result: Any) -> Any:
+            return select_replica(index, result)
+
+        with entered(self, None):
+            outputs = meeting.run([body(i) for i in range(len(devices))], merge_args, merge_in_cross_replica)
+        return regroup(outputs, devices)
+
+    def _meeting_seconds(self) -> float:
+        """The daemon's collective timeout: how long replicas wait for each other in a collective."""
+        if self._collective_timeout is None:
+            status = self.cross_device_ops.client.get_status(timeout=STATUS_TIMEOUT_SECONDS)
+            self._collective_timeout = status.limits.collective_timeout_seconds
+        return self._collective_timeout
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
         """Reduces a per-replica value across replicas (and along ``axis`` within each).
@@ -288,27 +294,47 @@ class MirroredStrategy:
         values = [value_fn(ValueContext(first + i, total)) for i in range(len(devices))]
         return PerReplica(values, devices=devices)
 
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's values of ``value``, one per local replica: a ``PerReplica``'s or
+        ``Mirrored``'s ``values``, else ``(value,)`` (TF's).
 
-def _select(i: int, structure: Any) -> Any:
-    if isinstance(structure, DistributedValues):
-        return structure.values[i]
-    if isinstance(structure, tuple):
-        return tuple(_select(i, s) for s in structure)
-    if isinstance(structure, list):
-        return [_select(i, s) for s in structure]
-    if isinstance(structure, dict):
-        return {k: _select(i, v) for k, v in structure.items()}
-    return structure
+        Example:
+            >>> import numpy as np
+            >>> s = MirroredStrategy(devices=["CPU:0", "CPU:1"])
+            >>> s.experimental_local_results(PerReplica([np.int32(1), np.int32(2)], devices=["CPU:0", "CPU:1"]))
+            (np.int32(1), np.int32(2))
+            >>> s.experimental_local_results(5)
+            (5,)
+        """
+        if isinstance(value, DistributedValues):
+            return value.values
+        return (value,)
 
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates ``value``'s replicas along ``axis``, over every replica of every process,
+        in replica id order, onto this process's first device (TF's ``Strategy.gather``).
 
-def _regroup(outputs: list, devices: Sequence[str]) -> Any:
-    first = outputs[0]
-    if first is None:
-        return None
-    if isinstance(first, (tuple, list)):
-        return type(first)(_regroup([o[j] for o in outputs], devices) for j in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _regroup([o[k] for o in outputs], devices) for k in first}
-    if len(outputs) == 1:
-        return first
-    return PerReplica(outputs, devices=devices)
+        Sizes along ``axis`` may differ between replicas. Gathered as a SUM of zero-padded
+        placements (the wire contract has no gather): see :mod:`xreduce._gather`.
+
+        Raises:
+            RuntimeError: called in a replica context (use ``ReplicaContext.all_gather``), as TF.
+            NotImplementedError: a sparse value, as TF.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     s = MirroredStrategy()
+            ...     v = s.run(lambda: np.arange(xreduce.distribute.get_replica_context().replica_id_in_sync_group + 1))
+            ...     s.gather(v, axis=0)
+            array([0, 0, 1])
+        """
+        if in_replica_context_of_a_strategy():
+            raise RuntimeError("`tf.distribute.Strategy.gather` method requires cross-replica context, use "
+                               "`get_replica_context().all_gather()` instead.")
+        if all(hasattr(value, a) for a in ("values", "indices", "dense_shape")):
+            raise NotImplementedError("gather does not support IndexedSlices")
+        devices = self._checked_devices()
+        (result,) = self.extended._batch_gather_to([(value, devices[0])], axis)
+        return self.experimental_local_results(result)[0]
+

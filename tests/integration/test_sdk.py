@@ -86,7 +86,7 @@ def test_mirrored_strategy_run_reduce_and_values_from_function(daemon):
             return x * 2, {"id": np.int32(ctx.replica_id_in_sync_group)}
 
         doubled, info = strategy.run(step, args=(values,))
-    assert distribute.get_strategy() is None and distribute.get_replica_context() is None
+    assert not distribute.has_strategy() and distribute.get_replica_context().num_replicas_in_sync == 1
     assert isinstance(doubled, PerReplica) and isinstance(info["id"], PerReplica)
     np.testing.assert_array_equal(strategy.reduce("sum", doubled, axis=None), np.full(2, 56.0, np.float32))
     np.testing.assert_array_equal(strategy.reduce("mean", doubled, axis=None), np.full(2, 7.0, np.float32))

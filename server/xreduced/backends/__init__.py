@@ -75,7 +75,7 @@ class Backend(Protocol):
     Optional capabilities have defaults here, which a backend gets by naming
     ``Backend`` among its bases: no CUDA IPC (:attr:`cuda_ipc`), no device
     arrays of its own (:meth:`is_device_array`), results read back with
-    ``numpy.asarray`` (:meth:`to_host`). A backend whose buffers are numpy
+    ``numpy.asarray`` (:meth:`to_host`), no NCCL (:meth:`nccl_all_reduce`). A backend whose buffers are numpy
     arrays in host memory also derives from :class:`HostMemory`.
 
     Example:
@@ -248,6 +248,22 @@ class Backend(Protocol):
             ValueError: cuda_ipc: the numpy backend cannot open CUDA IPC handles
         """
         raise ValueError(f"cuda_ipc: the {self.name} backend cannot open CUDA IPC handles")
+
+    def nccl_all_reduce(self, bufs: list[Any]) -> list[Any]:
+        """The sum of ``bufs`` (one per device, each on a GPU of its own) on each of their devices,
+        by NCCL, on a backend of real GPUs (the cupy backend's is :mod:`xreduced.backends.nccl`).
+
+        Raises:
+            ValueError: by default, always (no NCCL on this backend), naming the backend.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(2).nccl_all_reduce([np.ones(1), np.ones(1)])
+            Traceback (most recent call last):
+            ...
+            ValueError: algorithm: NCCL runs on GPUs; the numpy backend's devices are host memory
+        """
+        raise ValueError(f"algorithm: NCCL runs on GPUs; the {self.name} backend's devices are host memory")
 
 
 class HostMemory:

@@ -95,6 +95,7 @@ class CupyBackend(IpcMixin, Backend):
                             if e.status != _PEER_ACCESS_ALREADY_ENABLED:
                                 raise
         self._init_ipc()
+        self._nccl = None  # NCCL cliques, made on the first NCCL all-reduce
 
     def devices(self) -> list[DeviceInfo]:
         per_gpu = [self._gpu.count(g) for g in range(self._num_gpus)]
@@ -315,6 +316,27 @@ class CupyBackend(IpcMixin, Backend):
     def synchronize(self) -> None:
         for stream in self._streams:
             stream.synchronize()
+
+    def nccl_all_reduce(self, bufs: list[_Buf]) -> list[_Buf]:
+        """The sum of ``bufs`` (one per logical device, each on a GPU of its own) on each of their
+        devices, by NCCL (:mod:`xreduced.backends.nccl`); the inputs are left as they were.
+
+        Raises:
+            ValueError: devices that share a GPU, or a dtype NCCL does not add.
+        """
+        from xreduced.backends.nccl import Cliques, check_distinct
+
+        gpus = [self._gpu[b.device] for b in bufs]
+        check_distinct(gpus)
+        if self._nccl is None:
+            self._nccl = Cliques()
+        outs = []
+        for b in bufs:
+            dev, stream = self._on(b.device)
+            with dev, stream:
+                outs.append(b.array.copy())
+        self._nccl.all_reduce(outs, gpus, [self._streams[b.device] for b in bufs])
+        return [self._done(out, b.device, b.dtype) for out, b in zip(outs, bufs)]
 
 
 def _check_same(dst_dtype, dst_size: int, src_dtype, src_size: int) -> None:

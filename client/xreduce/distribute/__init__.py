@@ -11,6 +11,15 @@ Replace ``tf.distribute`` with ``xreduce.distribute``:
     array([3.])
 """
 
+from xreduce._contexts import (
+    ReplicaContext,
+    ValueContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from xreduce._nccl import NcclAllReduce
 from xreduce._ops import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -20,15 +29,9 @@ from xreduce._ops import (
     ReductionToOneDevice,
 )
 from xreduce._sparse import IndexedSlices
-from xreduce._strategy import (
-    MirroredStrategy,
-    ReplicaContext,
-    ValueContext,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-)
+from xreduce._strategy import MirroredStrategy
 from xreduce._values import DistributedValues, Mirrored, PerReplica
+from xreduce.distribute import experimental
 
 __all__ = [
     "CommunicationImplementation",
@@ -47,4 +50,7 @@ __all__ = [
     "get_replica_context",
     "get_strategy",
     "has_strategy",
+    "NcclAllReduce",
+    "experimental",
+    "in_cross_replica_context",
 ]
