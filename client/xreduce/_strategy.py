@@ -21,6 +21,7 @@ from xreduce._errors import NotFoundError
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
 from xreduce._replicas import Meeting, regroup, select_replica
 from xreduce._runtime import ProcessGroup, process_group
+from xreduce._sparse import IndexedSlices
 from xreduce._values import DistributedValues, PerReplica
 from xreduce.wire.devices import DeviceName, canonical
 
@@ -276,6 +277,9 @@ class MirroredStrategy:
         first = value.devices[0]
         if axis is None:
             return self.extended.reduce_to(op, value, first)
+        if any(isinstance(v, IndexedSlices) for v in value.values):
+            raise ValueError(f"strategy.reduce(axis={axis!r}): the value holds IndexedSlices, which reduce only "
+                             "with axis=None; reduce their .to_dense() along an axis")
         arrays = [h.array for h in value.hosts()]
         sums = PerReplica([np.sum(a, axis=axis) for a in arrays], devices=value.devices)
         total = self.extended.reduce_to(ReduceOp.SUM, sums, first)

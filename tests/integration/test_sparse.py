@@ -241,6 +241,31 @@ def test_strategy_reduce_returns_indexed_slices(daemon):
     _check(strategy.reduce("SUM", value, axis=None), [[1.0], [5.0]], [1, 2], [3, 1])
 
 
+def test_strategy_reduce_along_an_axis_refuses_indexed_slices(daemon):
+    strategy = MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=HierarchicalCopyAllReduce(address=daemon.address))
+    value = PerReplica([_slices([[1.0]], [1], [3, 1]), _slices([[5.0]], [2], [3, 1])], devices=["CPU:0", "CPU:1"])
+    with pytest.raises(ValueError, match=r"strategy.reduce\(axis=0\): the value holds IndexedSlices"):
+        strategy.reduce("SUM", value, axis=0)
+
+
+def test_replica_context_all_reduce_of_indexed_slices_and_dense_values(daemon):
+    """TF's ``ctx.all_reduce`` inside ``strategy.run``: a nest mixing sparse and dense values; every replica
+    gets the sparse values concatenated in device order (MEAN divides them) and the dense mean."""
+    strategy = MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=HierarchicalCopyAllReduce(address=daemon.address))
+
+    def replica_fn():
+        ctx = xreduce.distribute.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        grads = {"embedding": _slices([[i + 1.0, i + 1.0]], [2 - i], [3, 2]), "bias": np.float32(2 * i)}
+        return ctx.all_reduce("MEAN", grads)
+
+    out = strategy.run(replica_fn)
+    for sparse, dense in zip(strategy.experimental_local_results(out["embedding"]),
+                             strategy.experimental_local_results(out["bias"])):
+        _check(sparse, [[0.5, 0.5], [1.0, 1.0]], [2, 1], [3, 2])
+        assert dense == np.float32(1.0)
+
+
 def test_torch_values_come_back_as_torch(ops):
     torch = pytest.importorskip("torch")
     value = PerReplica([IndexedSlices(torch.ones(1, 2), torch.tensor([i]), [2, 2]) for i in range(2)],

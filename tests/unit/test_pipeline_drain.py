@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from xreduce.wire.contract import METHOD_PREFIX
-
 from xreduced.admission import Admission
 from xreduced.metrics import Stats
 from xreduced.pipeline import CallPipeline
