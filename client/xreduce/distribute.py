@@ -11,6 +11,7 @@ Replace ``tf.distribute`` with ``xreduce.distribute``:
     array([3.])
 """
 
+from xreduce._input import InputContext, InputOptions, InputReplicationMode
 from xreduce._ops import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -35,6 +36,9 @@ __all__ = [
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "PerReplica",
