@@ -10,6 +10,7 @@ from their sources (TensorFlow has no wheel for this Python): ``input_lib_test.p
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -76,21 +77,18 @@ def worker(pid: int) -> None:
 def run_job(address: str, group: str, local_devices: list[str] | None = None) -> list[dict[str, dict]]:
     from children import child_env
 
-    procs = []
-    for pid in range(2):
+    def run(pid: int) -> subprocess.CompletedProcess:
         env = {**child_env(), "XREDUCE_ADDRESS": address, "XREDUCE_GROUP": group}
         if local_devices:
             env["XREDUCE_LOCAL_DEVICES"] = local_devices[pid]
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), str(pid)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    try:
-        outs = [p.communicate(timeout=RUN_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    assert [p.returncode for p in procs] == [0, 0], outs
+        # subprocess.run kills its worker when the timeout passes.
+        return subprocess.run([sys.executable, os.path.abspath(__file__), str(pid)], env=env, text=True,
+                              capture_output=True, timeout=RUN_TIMEOUT)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(run, range(2)))
+    outs = [(d.stdout, d.stderr) for d in done]
+    assert [d.returncode for d in done] == [0, 0], outs
     return [{r["case"]: r for r in map(json.loads, out.splitlines())} for out, _ in outs]
 
 
