@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from xreduce import _keras_devices
+from xreduce._input import Rows, batch_rows, elements, fill, map_structure, split_sizes
 from xreduce._keras_devices import list_devices, process_info
 from xreduce._ops import CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp
 from xreduce._values import DistributedValues, PerReplica
@@ -276,15 +277,12 @@ class Distribution:
         raise NotImplementedError(f"{type(self).__name__} defines no tensor layout; use DataParallel")
 
     def distribute_dataset(self, dataset: Any) -> Any:
-        """Not provided: Keras shards a ``tf.data.Dataset`` here; xreduce has no tf.data.
+        """This process's share of a dataset of global batches; subclasses define it (as in Keras).
 
         Raises:
-            NotImplementedError: always; split batches with ``DataParallel.distribute_batch``.
+            NotImplementedError: always; :class:`DataParallel` defines it.
         """
-        raise NotImplementedError(
-            "distribute_dataset shards a tf.data.Dataset, which xreduce does not use; split each global "
-            "batch with DataParallel.distribute_batch"
-        )
+        raise NotImplementedError(f"{type(self).__name__} defines no distribute_dataset; use DataParallel")
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Distribution]:
@@ -320,11 +318,21 @@ class DataParallel(Distribution):
             other axes receive the same slices.
         devices: device names (any DeviceSpec form) for a 1-D mesh with axis
             ``"batch"``.
+        auto_shard_dataset: whether :meth:`distribute_dataset` gives each
+            process its own rows of every global batch (default); False for a
+            dataset already sharded across processes.
         cross_device_ops: what reduces gradients; default
             ``HierarchicalCopyAllReduce()`` on the SDK's daemon.
 
+    With several processes (after :func:`initialize`) the mesh is the global
+    one (every process's devices, from :func:`list_devices`), and each process
+    feeds and reduces the mesh devices it drives: its rows of each global batch
+    (:meth:`distribute_dataset`) split across them (:meth:`distribute_batch`),
+    their gradients all-reduced with every other process's.
+
     Raises:
-        ValueError: both ``device_mesh`` and ``devices``; ``devices=[]`` (it
+        ValueError: both ``device_mesh`` and ``devices``; ``auto_shard_dataset``
+            not a bool; ``devices=[]`` (it
             never means "all devices"); a ``device_mesh`` that is not a
             :class:`DeviceMesh` (Keras' message).
 
@@ -334,13 +342,16 @@ class DataParallel(Distribution):
         ('batch', ('batch', None))
     """
 
-    def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None, *,
-                 cross_device_ops: CrossDeviceOps | None = None):
+    def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None,
+                 auto_shard_dataset: bool = True, *, cross_device_ops: CrossDeviceOps | None = None):
         if device_mesh is not None and devices is not None:
             raise ValueError(f"DataParallel takes device_mesh or devices, not both; got device_mesh={device_mesh}, "
                              f"devices={devices!r}")
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise ValueError(f"cross_device_ops must be a CrossDeviceOps; got {type(cross_device_ops).__name__}")
+        if auto_shard_dataset not in (True, False):
+            raise ValueError(f"auto_shard_dataset must be True or False; got {auto_shard_dataset!r}")
+        self._auto_shard_dataset = bool(auto_shard_dataset)
         self._cross_device_ops = cross_device_ops
         self._device_mesh = None
         if device_mesh is not None:
@@ -376,6 +387,11 @@ class DataParallel(Distribution):
     def batch_dim_name(self) -> str:
         """The mesh axis the batch is split along."""
         return self._batch_dim_name
+
+    @property
+    def auto_shard_dataset(self) -> bool:
+        """Whether :meth:`distribute_dataset` shards a dataset across processes."""
+        return self._auto_shard_dataset
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
@@ -430,6 +446,38 @@ class DataParallel(Distribution):
             raise ValueError(f"the mesh's devices {devices} hold none of this process's devices {list(local)}")
         return mine
 
+    def distribute_dataset(self, dataset: Any) -> Any:
+        """This process's rows of each global batch of ``dataset`` (Keras' ``DataParallel.distribute_dataset``).
+
+        With one process, or ``auto_shard_dataset=False``, ``dataset`` itself.
+        With P processes, a re-iterable of this process's share of each global
+        batch (Keras' arithmetic, TF's ``batch_sizes_for_worker`` with one
+        replica per worker): of a batch of ``B`` rows, process ``p`` gets the
+        ``p``-th of P contiguous parts, the first ``B % P`` of them one row
+        longer; ``B`` is the first batch's rows, and a later partial batch fills
+        the parts in order with those sizes (the last processes may get empty
+        batches). Every process must iterate the same global batches. Unlike
+        Keras, which shards a ``tf.data.Dataset`` only, any iterable of batches
+        (arrays, or tuples, lists and dicts of them) is accepted; one with
+        ``as_numpy_iterator()`` is read through it.
+
+        Raises:
+            ValueError: with several processes, ``dataset`` is not iterable, or
+                a batch's arrays differ in rows (at iteration).
+
+        Example:
+            >>> import numpy as np
+            >>> data = [np.arange(8).reshape(4, 2)]
+            >>> DataParallel(devices=["cpu:0", "cpu:1"]).distribute_dataset(data) is data  # one process
+            True
+        """
+        info = process_info()
+        if info is None or not info.is_multi_process or not self._auto_shard_dataset:
+            return dataset
+        where = "distribute_dataset"
+        elements(dataset, where)
+        return Rows(dataset, info.num_processes, info.process_id, where)
+
     def distribute_batch(self, batch: Any) -> Any:
         """Splits a global batch along its first dimension, one slice per device.
 
@@ -457,29 +505,19 @@ class DataParallel(Distribution):
         devices = self._replica_devices()
         copies = self.device_mesh.devices.size // self.device_mesh.shape[0]
         slices = max(len(devices) // copies, 1)
-        leaves: list[tuple[str, Any]] = []
-        _leaves(batch, "batch", leaves)
-        if not leaves:
-            raise ValueError(f"distribute_batch: the batch holds no arrays; got {batch!r}")
-        rows = {path: _rows(path, leaf) for path, leaf in leaves}
-        if len(set(rows.values())) > 1:
-            listed = ", ".join(f"{p} has {n}" for p, n in rows.items())
-            raise ValueError(f"distribute_batch: every array of the batch must have the same number of rows; {listed}")
-        n = next(iter(rows.values()))
+        n = batch_rows("distribute_batch", batch)
         if n < slices:
             raise ValueError(
                 f"distribute_batch: a batch of {n} rows can not be split across {slices} data-parallel replicas "
                 f"(mesh axis {self._batch_dim_name!r} of size {slices}); give at least {slices} rows"
             )
-        q, r = divmod(n, slices)
-        stops = np.cumsum([q + 1] * r + [q] * (slices - r)).tolist()
-        bounds = list(zip([0, *stops[:-1]], stops))
+        bounds = fill(split_sizes(n, slices), n)
 
         def split(leaf: Any) -> PerReplica:
             parts = [leaf[a:b] for a, b in bounds]
             return PerReplica([p for p in parts for _ in range(copies)], devices=devices)
 
-        return _map(split, batch)
+        return map_structure(split, batch)
 
     def all_reduce_gradients(self, per_replica_grads: Any, reduce_op: ReduceOp | str = "mean") -> Any:
         """All-reduces per-replica gradients through the daemon.
@@ -563,33 +601,3 @@ def _local_names() -> dict[str, str] | None:
         return None
     return dict(zip(info.local_devices, group.local_devices))
 
-
-def _leaves(structure: Any, path: str, out: list[tuple[str, Any]]) -> None:
-    if isinstance(structure, dict):
-        for key, value in structure.items():
-            _leaves(value, f"{path}[{key!r}]", out)
-    elif isinstance(structure, (list, tuple)):
-        for i, value in enumerate(structure):
-            _leaves(value, f"{path}[{i}]", out)
-    else:
-        out.append((path, structure))
-
-
-def _map(fn: Any, structure: Any) -> Any:
-    if isinstance(structure, dict):
-        return {key: _map(fn, value) for key, value in structure.items()}
-    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        return type(structure)(*(_map(fn, value) for value in structure))
-    if isinstance(structure, (list, tuple)):
-        return type(structure)(_map(fn, value) for value in structure)
-    return fn(structure)
-
-
-def _rows(path: str, leaf: Any) -> int:
-    shape = getattr(leaf, "shape", None)
-    if shape is None or len(shape) == 0 or not hasattr(leaf, "__getitem__"):
-        raise ValueError(
-            f"distribute_batch: {path} must be an array with a batch (first) dimension; got "
-            f"{type(leaf).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else f" {leaf!r}")
-        )
-    return int(shape[0])

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from xreduce import _gather
+from xreduce import _gather, _input
 from xreduce._contexts import ReplicaContext, ValueContext, entered, in_replica_context_of_a_strategy
 from xreduce._errors import NotFoundError
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
@@ -297,6 +297,74 @@ class MirroredStrategy:
         first, total = self._first_replica_id(), self.num_replicas_in_sync
         values = [value_fn(ValueContext(first + i, total)) for i in range(len(devices))]
         return PerReplica(values, devices=devices)
+
+    # --- input: datasets split across the replicas (xreduce._input) ---------------------------------------------
+
+    def _input_replicas(self) -> _input.Replicas:
+        group = self._group()
+        return _input.Replicas(self._checked_devices(), self._first_replica_id(), self.num_replicas_in_sync,
+                               group.num_processes if group else 1, group.process_id if group else 0)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> _input.DistributedDataset:
+        """Splits each global batch of ``dataset`` across the replicas in sync (TF's method).
+
+        ``dataset`` is any iterable of global batches: arrays (numpy, CuPy,
+        torch, JAX) or tuples, lists and dicts of them, all with the same rows;
+        an object with ``as_numpy_iterator()`` (a ``tf.data.Dataset``) is read
+        through it. Each batch's rows go to the replicas in global replica-id
+        order, as TF splits them: the first ``B % N`` of ``N`` replicas get
+        ``B // N + 1`` rows, the others ``B // N``, ``B`` being the first
+        batch's rows; a later partial batch fills replicas in that order with
+        those sizes, so the last ones may get empty batches. Each step is the
+        batch's structure with a ``PerReplica`` over this process's replicas in
+        place of each array; with several processes, each iterates the same
+        global batches and keeps its own replicas' rows.
+
+        Args:
+            dataset: the global batches; iterated afresh by each ``iter()``.
+            options: None or an ``InputOptions`` (``PER_WORKER`` only).
+
+        Raises:
+            ValueError: ``dataset`` is not iterable; a batch whose arrays differ
+                in rows, holds a scalar, or is larger than the first; options
+                that cannot be honoured.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     s = MirroredStrategy()
+            ...     batches = [np.arange(4.0), np.arange(4.0, 7.0)]
+            ...     [[v.tolist() for v in x.values] for x in s.experimental_distribute_dataset(batches)]
+            [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0]]]
+        """
+        return _input.distribute_dataset(self._input_replicas(), dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[_input.InputContext], Any],
+                                          options: Any = None) -> _input.DistributedDataset:
+        """Calls ``dataset_fn(InputContext)`` once per process and feeds its per-replica batches (TF's method).
+
+        ``dataset_fn`` returns an iterable of per-replica batches (its
+        ``InputContext`` says which pipeline it is and
+        ``get_per_replica_batch_size`` turns a global size into one); at step
+        ``k`` this process's replica ``i`` gets element ``k·R + i`` (``R`` local
+        replicas). Replicas left without an element at the last step get an
+        empty batch. With ``InputOptions(experimental_replication_mode=PER_REPLICA,
+        experimental_fetch_to_device=False)`` it is called once per replica
+        (pipeline id = replica id) and each replica reads its own dataset.
+
+        Raises:
+            ValueError: ``dataset_fn`` is not callable or returns no iterable;
+                options that cannot be honoured.
+
+        Example:
+            >>> import numpy as np, xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     s = MirroredStrategy()
+            ...     fn = lambda ctx: [np.full(ctx.get_per_replica_batch_size(4), float(i)) for i in range(3)]
+            ...     [[v.tolist() for v in x.values] for x in s.distribute_datasets_from_function(fn)]
+            [[[0.0, 0.0], [1.0, 1.0]], [[2.0, 2.0], []]]
+        """
+        return _input.distribute_datasets_from_function(self._input_replicas(), dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This process's values of ``value``, one per local replica: a ``PerReplica``'s or

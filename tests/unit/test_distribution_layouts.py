@@ -205,11 +205,23 @@ def test_distribution_is_per_thread_as_in_keras(mesh42):
 def test_base_distribution_defines_no_layouts(mesh42):
     d = dist.Distribution(mesh42)
     for call in (lambda: d.get_data_layout((4, 2)), lambda: d.get_variable_layout(np.zeros(2)),
-                 lambda: d.get_tensor_layout("x")):
+                 lambda: d.get_tensor_layout("x"), lambda: d.distribute_dataset([1, 2])):
         with pytest.raises(NotImplementedError, match="Distribution defines no"):
             call()
-    with pytest.raises(NotImplementedError, match="DataParallel.distribute_batch"):
-        dist.DataParallel(devices=CPU8).distribute_dataset([1, 2])
+
+
+@pytest.mark.parametrize("auto_shard_dataset", [True, False])
+def test_distribute_dataset_with_one_process_is_the_dataset(auto_shard_dataset):
+    """Keras' DataParallelDistributionTest.test_distribute_dataset: one process gets the dataset itself."""
+    dataset = [np.arange(8).reshape(4, 2)]
+    dp = dist.DataParallel(devices=CPU8, auto_shard_dataset=auto_shard_dataset)
+    assert dp.auto_shard_dataset is auto_shard_dataset
+    assert dp.distribute_dataset(dataset) is dataset
+
+
+def test_auto_shard_dataset_must_be_a_bool():
+    with pytest.raises(ValueError, match="auto_shard_dataset must be True or False; got 'yes'"):
+        dist.DataParallel(devices=CPU8, auto_shard_dataset="yes")
 
 
 # --- DataParallel --------------------------------------------------------------------------------------------

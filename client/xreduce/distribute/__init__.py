@@ -19,6 +19,7 @@ from xreduce._contexts import (
     has_strategy,
     in_cross_replica_context,
 )
+from xreduce._input import InputContext, InputOptions, InputReplicationMode
 from xreduce._nccl import NcclAllReduce
 from xreduce._ops import (
     CommunicationImplementation,
@@ -40,6 +41,9 @@ __all__ = [
     "DistributedValues",
     "HierarchicalCopyAllReduce",
     "IndexedSlices",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "PerReplica",
