@@ -27,9 +27,10 @@ class Algorithm:
         2
     """
 
-    name: Literal["hierarchical_copy", "reduction_to_one_device"]
+    name: Literal["hierarchical_copy", "reduction_to_one_device", "nccl"]
     num_packs: int | None = None
-    """Packs of a hierarchical copy (0: no packing); None for a reduction to one device, which has none."""
+    """Packs of a hierarchical copy or NCCL all-reduce (0: no packing); None for a reduction to one device,
+    which has none."""
     reduce_to_device: str = ""
     """Where a reduction to one device sums ("": the first destination)."""
 

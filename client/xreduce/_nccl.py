@@ -4,9 +4,10 @@ Before anything is sent, the daemon's device table (``ListDevices``) says
 whether NCCL can run: every device of the call must be a GPU of the cupy
 backend and no two may share a GPU (NCCL runs one rank per GPU). Elsewhere the
 call fails with an error that says why, as TF's does without GPUs. On distinct
-GPUs the request must name the NCCL algorithm, which the wire contract
-(``xreduce.v1.Algorithm``) does not have yet: until it does, that is the error
-(the daemon's side, :mod:`xreduced.backends.nccl`, is ready).
+GPUs the request names ``ALGORITHM_NCCL`` and the daemon routes it as TF's
+``AllReduceCrossDeviceOps`` does: values whose destinations are their own
+devices are all-reduced by NCCL (packed into ``num_packs`` packs), others go
+to TF's fallback, ReductionToOneDevice (:mod:`xreduced.backends.nccl` sums).
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from xreduce._options import ConnectionOptions
 from xreduce._values import DistributedValues
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire.devices import DeviceName
-
-WIRE_ALGORITHM = "ALGORITHM_NCCL"
-"""The ``xreduce.v1.Algorithm`` value a request needs to ask the daemon for NCCL."""
 
 
 def nccl_refusal(table: pb.ListDevicesResponse, names: Sequence[str]) -> str | None:
@@ -72,8 +70,6 @@ class NcclAllReduce(CrossDeviceOps):
         ValueError: ``num_packs`` < 0, with TF's message, or not an integer.
         xreduce.InvalidArgumentError: at a reduce, the daemon's devices are host devices or
             logical devices sharing a GPU (the message says which); NCCL needs distinct GPUs.
-        NotImplementedError: at a reduce on distinct GPUs, while the wire contract has no
-            ``ALGORITHM_NCCL``.
 
     Example:
         >>> import numpy as np, xreduce
@@ -111,6 +107,4 @@ class NcclAllReduce(CrossDeviceOps):
         return super()._batch(op, pairs, options, single)
 
     def _algorithm(self) -> Algorithm:
-        raise NotImplementedError(
-            f"NcclAllReduce: the daemon's devices are distinct GPUs, but the wire contract has no {WIRE_ALGORITHM} "
-            "in xreduce.v1.Algorithm to ask the daemon for NCCL with; use HierarchicalCopyAllReduce meanwhile")
+        return Algorithm("nccl", num_packs=self.num_packs)

@@ -39,7 +39,8 @@ DEADLINE_SLACK_SECONDS = 5.0
 """A call's gRPC deadline is its ``timeout_seconds`` plus this: the daemon's own deadline message comes first."""
 
 _ALGORITHMS = {"hierarchical_copy": pb.ALGORITHM_HIERARCHICAL_COPY,
-               "reduction_to_one_device": pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE}
+               "reduction_to_one_device": pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE,
+               "nccl": pb.ALGORITHM_NCCL}
 
 
 class Transport:

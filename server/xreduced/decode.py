@@ -43,11 +43,13 @@ ALGORITHMS = {
     pb.ALGORITHM_UNSPECIFIED: planner.HIERARCHICAL_COPY,
     pb.ALGORITHM_HIERARCHICAL_COPY: planner.HIERARCHICAL_COPY,
     pb.ALGORITHM_REDUCTION_TO_ONE_DEVICE: planner.REDUCTION_TO_ONE_DEVICE,
+    pb.ALGORITHM_NCCL: planner.NCCL,
 }
 ROUTES = {
     planner.IDENTITY: pb.ROUTE_IDENTITY,
     planner.HIERARCHICAL_COPY: pb.ROUTE_HIERARCHICAL_COPY,
     planner.REDUCTION_TO_ONE_DEVICE: pb.ROUTE_REDUCTION_TO_ONE_DEVICE,
+    planner.NCCL: pb.ROUTE_NCCL,
 }
 """The other way: the route the engine took, as the reply names it."""
 
@@ -157,7 +159,7 @@ def options(request, devices: DeviceTable, deadline: Deadline) -> Options:
     """
     if request.algorithm not in ALGORITHMS:
         raise InvalidArgument(
-            f"algorithm: must be ALGORITHM_HIERARCHICAL_COPY or ALGORITHM_REDUCTION_TO_ONE_DEVICE; "
+            f"algorithm: must be ALGORITHM_HIERARCHICAL_COPY, ALGORITHM_REDUCTION_TO_ONE_DEVICE or ALGORITHM_NCCL; "
             f"got {_enum_label(pb.Algorithm, request.algorithm)}"
         )
     algorithm = ALGORITHMS[request.algorithm]

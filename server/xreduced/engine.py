@@ -3,7 +3,9 @@
 The service decodes requests into :class:`Value` objects (device indices and
 numpy arrays) and calls :class:`Engine`; everything here is independent of
 the wire format. Routing follows TF 2.21's HierarchicalCopyAllReduce and
-ReductionToOneDevice with the project's fixes (DESIGN.md §3). Sparse values
+ReductionToOneDevice with the project's fixes (DESIGN.md §3); NcclAllReduce
+routes as HierarchicalCopyAllReduce (both are TF's AllReduceCrossDeviceOps),
+its all-reduces summed by the backend's NCCL. Sparse values
 (:class:`~xreduce.wire.sparse.Slices`, TF's IndexedSlices) are split from a
 batch as TF splits them and concatenated (:meth:`Engine.batch_reduce`).
 """
@@ -243,6 +245,7 @@ class Engine:
         resolved = self.validate(op, pairs, num_packs, dest_fields)
         if not resolved:
             return []
+        self._check_algorithm(resolved, algorithm)
         sparse = [i for i, (v, _) in enumerate(resolved) if is_sparse(v)]
         if sparse:
             return self._split_by_sparsity(op, resolved, sparse, num_packs=num_packs, algorithm=algorithm,
@@ -252,15 +255,15 @@ class Engine:
         deadline = deadline or Deadline(None)
         mean = op == MEAN
         if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
-            return self._all_reduce([v for v, _ in resolved], outs, mean, num_packs, deadline)
+            return self._all_reduce([v for v, _ in resolved], outs, mean, num_packs, deadline, algorithm)
         if algorithm != planner.REDUCTION_TO_ONE_DEVICE:
             reduce_to = None  # a pair that falls back to reduction to one device sums on its first destination
         results = []
         for (value, dests), o, route in zip(resolved, outs, routes):
             if route == planner.IDENTITY:
                 results.append(self._identity(value, o))
-            elif route == planner.HIERARCHICAL_COPY:
-                results.append(self._all_reduce([value], [o], mean, num_packs, deadline)[0])
+            elif route in (planner.HIERARCHICAL_COPY, planner.NCCL):
+                results.append(self._all_reduce([value], [o], mean, num_packs, deadline, algorithm)[0])
             else:
                 results.append(self._to_one(value, dests, o, mean, reduce_to, deadline))
         return results
@@ -316,12 +319,13 @@ class Engine:
         dest_fields: Sequence[str] | None = None,
     ) -> list[str]:
         """The route :meth:`batch_reduce` takes for each pair, without reducing:
-        ``planner.IDENTITY``, ``planner.HIERARCHICAL_COPY`` or
-        ``planner.REDUCTION_TO_ONE_DEVICE``.
+        ``planner.IDENTITY``, ``planner.HIERARCHICAL_COPY`` (``planner.NCCL`` with that
+        algorithm) or ``planner.REDUCTION_TO_ONE_DEVICE``.
 
         Raises:
             InvalidArgument: what :meth:`batch_reduce` would raise before
-                reducing: see :meth:`validate`; a batch packed together
+                reducing: see :meth:`validate`; NCCL on a backend that cannot
+                run it over a pair's devices; a batch packed together
                 (``num_packs > 0``) whose values mix dtypes.
 
         Example:
@@ -332,6 +336,7 @@ class Engine:
             ['hierarchical_copy', 'identity', 'reduction_to_one_device']
         """
         resolved = self.validate(op, pairs, num_packs, dest_fields)
+        self._check_algorithm(resolved, algorithm)
         return self._routes(resolved, algorithm, num_packs) if resolved else []
 
     def fold_devices(self, pairs: Sequence[tuple[Value, Sequence[int]]], *,
@@ -370,10 +375,24 @@ class Engine:
             if same and len(value.devices) == 1:
                 routes.append(planner.IDENTITY)
             elif same and algorithm != planner.REDUCTION_TO_ONE_DEVICE:
-                routes.append(planner.HIERARCHICAL_COPY)
+                routes.append(planner.NCCL if algorithm == planner.NCCL else planner.HIERARCHICAL_COPY)
             else:
                 routes.append(planner.REDUCTION_TO_ONE_DEVICE)
         return routes
+
+    def _check_algorithm(self, resolved: list[tuple[Value, tuple[int, ...]]], algorithm: str) -> None:
+        """Refuses NCCL where the backend cannot run it over a pair's devices (host memory, logical
+        devices sharing a GPU), before anything is reduced."""
+        if algorithm != planner.NCCL:
+            return
+        for value, dests in resolved:
+            summed = len(value.devices) > 1 and set(dests) == set(value.devices) and not is_sparse(value)
+            refusal = self.backend.nccl_refusal(tuple(dict.fromkeys(value.devices + dests)),
+                                                value.arrays[0].dtype if summed else None)
+            if refusal is not None:
+                where = f" ({value.field})" if len(resolved) > 1 else ""
+                raise InvalidArgument(f"algorithm: ALGORITHM_NCCL cannot run on this daemon{where}: {refusal}; "
+                                      "ALGORITHM_HIERARCHICAL_COPY reduces on any devices")
 
     def _check_outs(self, op, resolved, routes, out) -> list[Mapping[int, np.ndarray] | None]:
         if out is None:
@@ -452,18 +471,17 @@ class Engine:
         return Result(value.devices, (out[device],), planner.IDENTITY)
 
     def _all_reduce(self, values: list[Value], outs: list, mean: bool, num_packs: int,
-                    deadline: Deadline) -> list[Result]:
+                    deadline: Deadline, algorithm: str) -> list[Result]:
         ref = values[0].devices
         if len(ref) == 1:
             return [self._identity(v, o) for v, o in zip(values, outs)]
         inputs = [[v.arrays[v.devices.index(d)] for v in values] for d in ref]
         templates = inputs[0]
-        plan = planner.hierarchical_copy(
-            ref, [a.size for a in templates], [a.dtype.itemsize for a in templates], num_packs
-        )
+        make = planner.nccl_all_reduce if algorithm == planner.NCCL else planner.hierarchical_copy
+        plan = make(ref, [a.size for a in templates], [a.dtype.itemsize for a in templates], num_packs)
         results = execute(plan, self.backend, inputs, mean=mean, deadline=deadline, out=_per_tensor(outs))
         return [
-            Result(ref, tuple(results[d][t] for d in ref), planner.HIERARCHICAL_COPY)
+            Result(ref, tuple(results[d][t] for d in ref), plan.algorithm)
             for t in range(len(values))
         ]
 

@@ -5,7 +5,9 @@ Two ways to run a plan, with bit-identical numbers:
 * **generic** (any backend; the GPU path): every input is uploaded to its
   device, each pack gathered into one buffer per device, the plan's copies and
   sums run as the backend's operations, and the results are unpacked and
-  downloaded. Algorithms never touch numpy or cupy arithmetic here.
+  downloaded. Algorithms never touch numpy or cupy arithmetic here. An
+  NCCL plan (:func:`~xreduced.planner.nccl_all_reduce`) has no steps: each
+  pack's buffers go to the backend's ``nccl_all_reduce`` instead.
 * **fused** (backends whose buffers are host memory, :class:`~xreduced.backends.HostMemory`):
   copies between host "devices" would only copy memory to itself, so each
   pack's steps are evaluated chunk by chunk (:data:`CHUNK_BYTES`) on views of
@@ -35,7 +37,7 @@ from xreduce.wire.contract import mean_dtype
 from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
 from xreduced.errors import DeadlineExceeded, InvalidArgument
-from xreduced.planner import Copy, Plan, Sum
+from xreduced.planner import NCCL, Copy, Plan, Sum
 
 CHUNK_BYTES = 256 << 10
 """Bytes of one tensor evaluated at once on the fused path, so that the sums' scratch buffers stay in cache
@@ -113,6 +115,7 @@ def execute(
 
     Host-memory backends (:class:`~xreduced.backends.HostMemory`) run it fused
     (:func:`execute_fused`), others the generic way (:func:`execute_generic`); the numbers are the same.
+    An NCCL plan always goes the generic way, to the backend's ``nccl_all_reduce``.
 
     Args:
         plan: from the planner.
@@ -129,7 +132,8 @@ def execute(
 
     Raises:
         InvalidArgument: an ``out`` array of the wrong dtype or shape, or read-only.
-        ValueError: a pack that mixes dtypes (the engine refuses such batches).
+        ValueError: a pack that mixes dtypes (the engine refuses such batches); an NCCL plan on a
+            backend without NCCL (the engine refuses those first).
         DeadlineExceeded: ``deadline`` passed.
 
     Example:
@@ -141,7 +145,7 @@ def execute(
         array([2., 2.], dtype=float32)
     """
     _check_packs(plan, inputs)
-    if isinstance(backend, HostMemory):
+    if isinstance(backend, HostMemory) and plan.algorithm != NCCL:
         return execute_fused(plan, inputs, mean, deadline, out)
     return execute_generic(plan, backend, inputs, mean, deadline, out)
 
@@ -218,6 +222,9 @@ def execute_generic(
             )
             for d in plan.devices
         }
+        if plan.algorithm == NCCL:
+            summed = backend.nccl_all_reduce([bufs[(f"in@{d}", d)] for d in plan.devices])
+            bufs.update(((plan.result, d), buf) for d, buf in zip(plan.devices, summed))
         for step in steps_of.get(pack.index, []):
             deadline.check(f"running pack {pack.index}")
             if isinstance(step, Copy):

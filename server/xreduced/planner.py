@@ -16,6 +16,8 @@ from collections.abc import Sequence
 HIERARCHICAL_COPY = "hierarchical_copy"
 REDUCTION_TO_ONE_DEVICE = "reduction_to_one_device"
 IDENTITY = "identity"
+NCCL = "nccl"
+"""The all-reduce route of ALGORITHM_NCCL: packed as hierarchical copy, each pack summed by NCCL."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +226,24 @@ def hierarchical_copy(
         return Plan(IDENTITY, devs, devs, packs, (), sizes, f"in@{devs[0]}")
     steps = [s for pack in packs for s in _hc_pack(devs, pack, pack_bytes(pack, sizes))]
     return Plan(HIERARCHICAL_COPY, devs, devs, packs, tuple(steps), sizes)
+
+
+def nccl_all_reduce(
+    devices: Sequence[int],
+    elements: Sequence[int],
+    itemsize: int | Sequence[int],
+    num_packs: int = 1,
+) -> Plan:
+    """Plans TF's NCCL all-reduce over ``devices``: packed as :func:`hierarchical_copy` is, with no
+    steps: NCCL sums each pack among the devices itself (the executor hands it the packs).
+
+    Example:
+        >>> p = nccl_all_reduce([0, 1], [4, 4], 4, num_packs=2)
+        >>> p.algorithm, [pk.elements for pk in p.packs], p.steps
+        ('nccl', [4, 4], ())
+    """
+    devs = tuple(devices)
+    return Plan(NCCL, devs, devs, split_packs(elements, num_packs), (), _itemsizes(itemsize, len(elements)))
 
 
 def _hc_pack(devs: tuple[int, ...], pack: Pack, nbytes: int) -> list[Step]:

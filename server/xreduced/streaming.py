@@ -366,7 +366,7 @@ class _Stream:
             order = tuple(own.index(d) for d in fold)
             out_dtype = result_dtype(self.op, ins[0].dtype, route)
             self.pairs.append(_Pair(ins, order, fold, dests or own, out_dtype))
-            result_devices = fold if route == planner.HIERARCHICAL_COPY else (dests or own)
+            result_devices = fold if route in (planner.HIERARCHICAL_COPY, planner.NCCL) else (dests or own)
             out = reply.results.add(route=decode.ROUTES[route])
             for k, d in enumerate(result_devices):
                 comp = out.result.components.add(device=service.devices.name(d).canonical)

@@ -192,7 +192,7 @@ OPTION_CASES = [
          batch(GOOD, reduce_op=7), INVALID, "reduce_op: must be REDUCE_OP_SUM or REDUCE_OP_MEAN; got 7"),
     case("algorithm-unknown-9",
          reduce(algorithm=9), INVALID,
-         "algorithm: must be ALGORITHM_HIERARCHICAL_COPY or ALGORITHM_REDUCTION_TO_ONE_DEVICE; got 9"),
+         "algorithm: must be ALGORITHM_HIERARCHICAL_COPY, ALGORITHM_REDUCTION_TO_ONE_DEVICE or ALGORITHM_NCCL; got 9"),
     case("num-packs-negative",
          reduce(num_packs=-1), INVALID, "num_packs: must be in [0, 65536]; got num_packs=-1"),
     case("batch-num-packs-negative",
@@ -219,6 +219,17 @@ OPTION_CASES = [
          reduce(reduce_to_device="CPU:1", algorithm=pb.ALGORITHM_HIERARCHICAL_COPY), INVALID,
          "reduce_to_device: only used with ALGORITHM_REDUCTION_TO_ONE_DEVICE; got 'CPU:1' with "
          "ALGORITHM_HIERARCHICAL_COPY (1)"),
+    # The SDK's NcclAllReduce refuses host devices before sending; the daemon refuses a raw request itself.
+    case("algorithm-nccl-on-host-devices",
+         reduce(algorithm=pb.ALGORITHM_NCCL), INVALID,
+         "algorithm: ALGORITHM_NCCL cannot run on this daemon: NCCL runs on GPUs, but the numpy backend's devices "
+         "are host memory; ALGORITHM_HIERARCHICAL_COPY reduces on any devices"),
+    case("batch-algorithm-nccl-on-host-devices-to-one-destination",
+         batch((GOOD, ["CPU:0"]), GOOD, algorithm=pb.ALGORITHM_NCCL), INVALID,
+         "algorithm: ALGORITHM_NCCL cannot run on this daemon (pairs[0].value): NCCL runs on GPUs"),
+    case("reduce-to-device-with-nccl",
+         reduce(reduce_to_device="CPU:1", algorithm=pb.ALGORITHM_NCCL), INVALID,
+         "reduce_to_device: only used with ALGORITHM_REDUCTION_TO_ONE_DEVICE; got 'CPU:1' with ALGORITHM_NCCL (3)"),
     case("reduce-to-device-with-unspecified-algorithm",
          reduce(reduce_to_device="CPU:1"), INVALID,
          "reduce_to_device: only used with ALGORITHM_REDUCTION_TO_ONE_DEVICE; got 'CPU:1' with "

@@ -182,8 +182,12 @@ _TWO_COMPONENTS = {"components": [
         ({"reduce_op": "REDUCE_OP_SUM", "value": _TWO_COMPONENTS, "destinations": ["CPU:9"]}, 64 + 5, "NotFound",
          "destinations[0]: no device 'CPU:9' on this daemon; its devices are "
          "CPU:0, CPU:1, CPU:2, CPU:3, CPU:4, CPU:5, CPU:6, CPU:7"),
+        # The enum value by name: reflection serves ALGORITHM_NCCL, and a daemon of host devices refuses it.
+        ({"reduce_op": "REDUCE_OP_SUM", "value": _TWO_COMPONENTS, "algorithm": "ALGORITHM_NCCL"}, 64 + 3,
+         "InvalidArgument", "algorithm: ALGORITHM_NCCL cannot run on this daemon: NCCL runs on GPUs, but the numpy "
+         "backend's devices are host memory; ALGORITHM_HIERARCHICAL_COPY reduces on any devices"),
     ],
-    ids=["reduce_op_missing", "unknown_destination"],
+    ids=["reduce_op_missing", "unknown_destination", "nccl_on_host_devices"],
 )
 def test_bad_input_shows_the_error_and_the_daemon_keeps_serving(daemon, request_, exit_code, code, message):
     proc = _grpcurl(daemon.address, f"{SERVICE}/Reduce", json.dumps(request_))

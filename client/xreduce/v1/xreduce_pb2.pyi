@@ -39,6 +39,7 @@ class Algorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALGORITHM_UNSPECIFIED: _ClassVar[Algorithm]
     ALGORITHM_HIERARCHICAL_COPY: _ClassVar[Algorithm]
     ALGORITHM_REDUCTION_TO_ONE_DEVICE: _ClassVar[Algorithm]
+    ALGORITHM_NCCL: _ClassVar[Algorithm]
 
 class Route(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ class Route(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROUTE_IDENTITY: _ClassVar[Route]
     ROUTE_HIERARCHICAL_COPY: _ClassVar[Route]
     ROUTE_REDUCTION_TO_ONE_DEVICE: _ClassVar[Route]
+    ROUTE_NCCL: _ClassVar[Route]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_FLOAT16: DataType
 DATA_TYPE_BFLOAT16: DataType
@@ -67,10 +69,12 @@ REDUCE_OP_MEAN: ReduceOp
 ALGORITHM_UNSPECIFIED: Algorithm
 ALGORITHM_HIERARCHICAL_COPY: Algorithm
 ALGORITHM_REDUCTION_TO_ONE_DEVICE: Algorithm
+ALGORITHM_NCCL: Algorithm
 ROUTE_UNSPECIFIED: Route
 ROUTE_IDENTITY: Route
 ROUTE_HIERARCHICAL_COPY: Route
 ROUTE_REDUCTION_TO_ONE_DEVICE: Route
+ROUTE_NCCL: Route
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "raw_data", "float_values", "int_values", "uint_values", "region", "streamed")

@@ -8,6 +8,7 @@ runs); ``cupy`` maps logical devices onto GPUs with a stream per device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -75,8 +76,8 @@ class Backend(Protocol):
     Optional capabilities have defaults here, which a backend gets by naming
     ``Backend`` among its bases: no CUDA IPC (:attr:`cuda_ipc`), no device
     arrays of its own (:meth:`is_device_array`), results read back with
-    ``numpy.asarray`` (:meth:`to_host`), no NCCL (:meth:`nccl_all_reduce`). A backend whose buffers are numpy
-    arrays in host memory also derives from :class:`HostMemory`.
+    ``numpy.asarray`` (:meth:`to_host`), no NCCL (:meth:`nccl_refusal`, :meth:`nccl_all_reduce`). A
+    backend whose buffers are numpy arrays in host memory also derives from :class:`HostMemory`.
 
     Example:
         >>> from xreduced.backends.numpy_backend import NumpyBackend
@@ -249,6 +250,17 @@ class Backend(Protocol):
         """
         raise ValueError(f"cuda_ipc: the {self.name} backend cannot open CUDA IPC handles")
 
+    def nccl_refusal(self, devices: Sequence[int], dtype: np.dtype | None = None) -> str | None:
+        """Why NCCL cannot sum values of ``dtype`` (None: any) over ``devices``, or None when it can;
+        default: never (no NCCL here).
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> NumpyBackend(2).nccl_refusal([0, 1])
+            "NCCL runs on GPUs, but the numpy backend's devices are host memory"
+        """
+        return f"NCCL runs on GPUs, but the {self.name} backend's devices are host memory"
+
     def nccl_all_reduce(self, bufs: list[Any]) -> list[Any]:
         """The sum of ``bufs`` (one per device, each on a GPU of its own) on each of their devices,
         by NCCL, on a backend of real GPUs (the cupy backend's is :mod:`xreduced.backends.nccl`).
@@ -261,9 +273,9 @@ class Backend(Protocol):
             >>> NumpyBackend(2).nccl_all_reduce([np.ones(1), np.ones(1)])
             Traceback (most recent call last):
             ...
-            ValueError: algorithm: NCCL runs on GPUs; the numpy backend's devices are host memory
+            ValueError: algorithm: NCCL runs on GPUs, but the numpy backend's devices are host memory
         """
-        raise ValueError(f"algorithm: NCCL runs on GPUs; the {self.name} backend's devices are host memory")
+        raise ValueError(f"algorithm: {self.nccl_refusal(range(len(bufs)))}")
 
 
 class HostMemory:

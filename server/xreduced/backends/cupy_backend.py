@@ -21,6 +21,7 @@ lives in :mod:`xreduced.backends.cupy_ipc`; its public names are re-exported her
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -316,6 +317,31 @@ class CupyBackend(IpcMixin, Backend):
     def synchronize(self) -> None:
         for stream in self._streams:
             stream.synchronize()
+
+    def nccl_refusal(self, devices: Sequence[int], dtype: np.dtype | None = None) -> str | None:
+        """Why NCCL cannot sum ``dtype`` over ``devices``: devices that share a GPU, a CuPy without
+        NCCL, or a dtype NCCL does not add."""
+        from xreduced.backends.nccl import nccl_type
+
+        seen: dict[int, int] = {}
+        for d in devices:
+            gpu = self._gpu[d]
+            if gpu in seen:
+                return (f"NCCL needs one GPU per device, but GPU:{seen[gpu]} and GPU:{d} are logical devices on one "
+                        f"GPU (cuda:{gpu})")
+            seen[gpu] = d
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            return f"this daemon's CuPy has no NCCL ({e})"
+        if not nccl.available:
+            return "this daemon's CuPy was built without NCCL"
+        if dtype is not None:
+            try:
+                nccl_type(nccl, dtype)
+            except ValueError as e:
+                return str(e).removeprefix("algorithm: ")
+        return None
 
     def nccl_all_reduce(self, bufs: list[_Buf]) -> list[_Buf]:
         """The sum of ``bufs`` (one per logical device, each on a GPU of its own) on each of their
