@@ -15,7 +15,9 @@ import concurrent.futures
 import logging
 import socket
 import threading
+import time
 import uuid
+from typing import NoReturn
 
 import grpc
 from xreduce.v1 import xreduce_pb2 as pb
@@ -34,6 +36,9 @@ MAX_ENDED = 64
 """Groups whose epoch ended (failed, or every local process left) that status still shows, at most."""
 MAX_REMEMBERED = 4096
 """Groups whose newest epoch a daemon remembers, so that a restarted coordinator numbers above it."""
+
+REGISTER_RETRY_SECONDS = 0.2
+"""How soon a registration the coordinator cut off (it was stopping) is sent again."""
 
 
 def route_address(host: str, port: int) -> str:
@@ -146,9 +151,7 @@ class Peers:
             node=pb.NodeIdentity(node_id=self.node_id, address=node_address, devices=self.devices,
                                  backend=self.backend, engines=engines),
             devices=[DeviceName.parse(d).short for d in devices])
-        request.timeout.FromNanoseconds(int(timeout * 1e9))
-        # Process 0's daemon may not serve the coordinator yet: wait for it, within the join's timeout.
-        reply = self._call(stub.Register, request, timeout + 5.0, coordinator, "register with", wait=True)
+        reply = self._register(stub, request, coordinator, timeout)
         with self._lock:
             key = (reply.group, reply.epoch)
             future = self._joining.get(key)
@@ -168,6 +171,24 @@ class Peers:
         except concurrent.futures.TimeoutError:
             raise DeadlineExceeded(f"the engine of group {reply.group!r} did not connect within {timeout:.3g}s") \
                 from None
+
+    def _register(self, stub, request: pb.RegisterRequest, coordinator: str, timeout: float) -> pb.RegisterResponse:
+        """Registers with the coordinator within the join's ``timeout``. Process 0's daemon may not serve it
+        yet, or may be stopping the last epoch's while process 0 initializes again (its own process left
+        first): a registration it cut off is sent again, to the coordinator that replaces it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            request.timeout.FromNanoseconds(int(left * 1e9))
+            try:
+                return stub.Register(request, timeout=left + 5.0, metadata=self._metadata, wait_for_ready=True)
+            except grpc.RpcError as e:
+                cut_off = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not cut_off or deadline - time.monotonic() < REGISTER_RETRY_SECONDS:
+                    self._raise(e, left + 5.0, coordinator, "register with", wait=True)
+            log.info("event=register_retry coordinator=%s group=%s process=%d", coordinator, request.group,
+                     request.process_id)
+            time.sleep(REGISTER_RETRY_SECONDS)
 
     def _install(self, reply: pb.RegisterResponse, coordinator: str, stub, node_address: str,
                  timeout: float) -> ClusterGroup:
@@ -320,21 +341,27 @@ class Peers:
         try:
             return method(request, timeout=timeout, metadata=self._metadata, wait_for_ready=wait)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details()
-            if wait and code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-                raise DeadlineExceeded(
-                    f"the coordinator at {address} (job_addresses[0]) did not answer within {timeout:.3g}s: is "
-                    "process 0 running, its daemon on that host, and the port open?") from None
-            if engine_error:
-                raise gloo.EngineError(f"the coordinator's store at {address}: {code.name}: {details}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(details) from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded(details or f"the coordinator at {address} did not answer in time") from None
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(details) from None
-            raise Unavailable(f"cannot {verb} the coordinator at {address} (job_addresses[0]): {code.name}: "
-                              f"{details}") from None
+            self._raise(e, timeout, address, verb, engine_error, wait)
+
+    @staticmethod
+    def _raise(e: grpc.RpcError, timeout: float, address: str, verb: str, engine_error: bool = False,
+               wait: bool = False) -> NoReturn:
+        """Raises the service error a failed call to the coordinator at ``address`` stands for."""
+        code, details = e.code(), e.details()
+        if wait and code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            raise DeadlineExceeded(
+                f"the coordinator at {address} (job_addresses[0]) did not answer within {timeout:.3g}s: is "
+                "process 0 running, its daemon on that host, and the port open?") from None
+        if engine_error:
+            raise gloo.EngineError(f"the coordinator's store at {address}: {code.name}: {details}") from None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgument(details) from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise DeadlineExceeded(details or f"the coordinator at {address} did not answer in time") from None
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise FailedPrecondition(details) from None
+        raise Unavailable(f"cannot {verb} the coordinator at {address} (job_addresses[0]): {code.name}: "
+                          f"{details}") from None
 
     def status(self) -> list[pb.GroupStatus]:
         """Every group's status, for ``GetStatus``."""

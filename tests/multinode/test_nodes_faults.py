@@ -205,7 +205,7 @@ def _rejoin(cluster: Cluster, processes: list[NodeProcess], fault: Fault, epoch:
     for pid, p in enumerate(processes):
         steps = {e["i"]: e for e in p.steps(120)}
         first = 0 if pid == fault.victim else INIT_AGAIN
-        assert steps[first]["ok"] and steps[first + 1]["ok"], (pid, steps)
+        assert steps[first]["ok"] and steps[first + 1]["ok"], (pid, steps.get(first), steps.get(first + 1))
         inits.append(steps[first]["result"])
         sums.append(steps[first + 1]["result"][0])
     assert len({i["epoch"] for i in inits}) == 1 and inits[0]["epoch"] > epoch, inits

@@ -82,6 +82,8 @@ def test_two_jobs_on_the_same_daemons_do_not_mix(three_nodes):
     second = three_nodes.launch([1, 0], other, coordinator=free_address())
     try:
         events = [[p.steps(120) for p in first], [p.steps(120) for p in second]]
+        for p in first + second:  # each leaves its group at exit: let it, rather than kill it first
+            assert p.proc.wait(60) == 0
     finally:
         for p in first + second:
             p.close()
