@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import xreduce
 from xreduced.cli import parse_bytes
 
-from xreduce_bench import multinode, workloads
+from xreduce_bench import daemon_memory, multinode, workloads
 from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
 from xreduce_bench.sweep import (
     OPS,
@@ -228,10 +228,12 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
             with contextlib.ExitStack() as stack:
                 if args.embedded:
                     devices = args.devices or (1 if args.processes > 1 else 8)
-                    address = stack.enter_context(_daemon(tmp, args.processes * devices, args.timeout))
+                    address, pid = stack.enter_context(_daemon(tmp, args.processes * devices, args.timeout))
+                    watch = stack.enter_context(daemon_memory.MemoryWatch(pid))
                     names, backend = _device_names(address, args.timeout)
                     where = f"{address} (started for this run: {len(names)} devices, {backend} backend)"
                 else:
+                    watch = None
                     address = xreduce.resolve_address(args.address)
                     try:
                         names, backend = _device_names(address, args.timeout)
@@ -240,7 +242,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
                     devices = args.devices or (1 if args.processes > 1 else len(names))
                     where = f"{address} ({len(names)} devices, {backend} backend)"
                 sweep = _sweep(p, args, devices, address, len(names))
-                return _run_all(sweep, address, where, names, transports, peers, args, tmp, out)
+                return _run_all(sweep, address, where, names, transports, peers, args, tmp, out, watch)
     except BenchError as e:
         print(f"xreduce bench: {e}", file=sys.stderr)
         return 1
@@ -275,7 +277,8 @@ def _need_two_devices(p: argparse.ArgumentParser, processes: int, devices: int) 
 
 
 def _run_all(sweep: Sweep, address: str, where: str, names: list[str], transports: list[str], peers: list[str],
-             args: argparse.Namespace, tmp: str, out: TextIO) -> int:
+             args: argparse.Namespace, tmp: str, out: TextIO,
+             watch: daemon_memory.MemoryWatch | None = None) -> int:
     systems = [SystemResult(f"xreduce {t}", "") for t in transports]
     for s in systems:
         s.about = (f"{sweep.processes} process(es) x {sweep.devices} device(s), XREDUCE_TRANSPORT={s.transport}"
@@ -323,6 +326,10 @@ def _run_all(sweep: Sweep, address: str, where: str, names: list[str], transport
             reporter.line(f"# {s.name}: FAILED: {e}")
             progress.done += len(sweep.sizes) - len(s.rows)
     progress.clear()
+    if watch is not None:
+        watch.stop()
+        with open(os.path.join(tmp, "xreduced.log")) as f:
+            print("\n" + daemon_memory.report(watch, f.read()), file=out)
     ratio_rows = ratios(systems, sweep)
     if ratio_rows:
         print("\n# ratios: time of xreduce / time of the peer (< 1: xreduce is faster)", file=out)
@@ -407,8 +414,8 @@ def targets(results: Sequence[SystemResult], sweep: Sweep) -> list[dict[str, Any
 
 
 @contextlib.contextmanager
-def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[str]:
-    """``python -m xreduced`` on a unix socket with ``devices`` devices, for this run."""
+def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[tuple[str, int]]:
+    """``python -m xreduced`` on a unix socket with ``devices`` devices, for this run: (its address, its pid)."""
     log_path = os.path.join(tmp, "xreduced.log")
     with open(log_path, "w") as log:
         proc = _popen([sys.executable, "-m", "xreduced", "--listen", f"unix:{tmp}/xreduced.sock",
@@ -424,7 +431,7 @@ def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[str]:
                 with open(log_path) as f:
                     raise BenchError(f"the daemon did not start:\n{f.read()}")
             time.sleep(0.05)
-        yield address
+        yield address, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         _stop(proc, 30)

@@ -37,6 +37,8 @@ def sections(out: str) -> dict[str, list[str]]:
         if m:
             current = m.group(1)
             found[current] = [line]
+        elif re.match(r"# [a-z]", line):  # another section (the daemon's memory, the plot)
+            current = None
         elif current is not None and line.strip():
             found[current].append(line)
     return found
@@ -106,6 +108,11 @@ def test_plot_writes_a_png(tmp_path):
     out = bench("--embedded", "--devices", "2", "--max-bytes", "64", "--iters", "2", "--plot", str(plot)).stdout
     assert f"# plot: {plot}" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the daemon started for the run was watched: its peak RSS against its stated bound
+    assert re.search(r"^# daemon memory over the run \(\d+ samples, 50 ms\): idle RSS [\d.]+ MiB; peak RSS [\d.]+ MiB "
+                     r"\(its own memory [\d.]+ MiB, .*\), VmHWM [\d.]+ MiB; bound: idle \+ "
+                     r"--max-inflight-bytes 4096.0 MiB \+ 6 x largest message \d+ B = [\d.]+ MiB: within$",
+                     out, re.MULTILINE)
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path):
