@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import xreduce
 from xreduced.cli import parse_bytes
 
-from xreduce_bench import daemon_memory, multinode, workloads
+from xreduce_bench import daemon_memory, floor, multinode, workloads
 from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
 from xreduce_bench.sweep import (
     OPS,
@@ -330,6 +330,10 @@ def _run_all(sweep: Sweep, address: str, where: str, names: list[str], transport
         watch.stop()
         with open(os.path.join(tmp, "xreduced.log")) as f:
             print("\n" + daemon_memory.report(watch, f.read()), file=out)
+    measured = {s.short: s.row(sweep.sizes[-1]).time for s in systems
+                if s.is_xreduce and s.transport != "wire" and s.row(sweep.sizes[-1]) is not None}
+    if sweep.op == "all_reduce" and measured:  # through shared memory only the plan's own traffic moves
+        print("\n" + floor.floor_line(sweep.ranks, sweep.sizes[-1], floor.copy_bandwidth(), measured), file=out)
     ratio_rows = ratios(systems, sweep)
     if ratio_rows:
         print("\n# ratios: time of xreduce / time of the peer (< 1: xreduce is faster)", file=out)
