@@ -34,9 +34,11 @@ RESNET50_SHAPES: tuple[tuple[int, ...], ...] = (
     (1000, 2048), (1000,),
 )
 """The 161 parameters of ResNet-50 (torchvision's ``resnet50()``, v1.5) in registration order, as
-``model.parameters()`` yields them: the stem's convolution and batch norm, then each of the 16 bottleneck
-blocks' three convolutions and batch norms (weight, bias), the first block of each stage followed by its
-downsampling convolution and batch norm, then the classifier. 25,557,032 parameters (102 MB in float32)."""
+``model.parameters()`` yields them, transcribed from torchvision's ``models/resnet.py`` (``Bottleneck`` blocks
+``[3, 4, 6, 3]``; torchvision itself is not a dependency): the stem's convolution and batch norm, then each of
+the 16 bottleneck blocks' three convolutions and batch norms (weight, bias), the first block of each stage
+followed by its downsampling convolution and batch norm, then the classifier. 25,557,032 parameters (102 MB
+in float32)."""
 
 BUILT_IN = {"resnet50": RESNET50_SHAPES}
 """The workloads ``--workload`` names."""
