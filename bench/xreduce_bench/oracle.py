@@ -9,7 +9,7 @@ integers, shows up as wrong elements.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -83,3 +83,63 @@ def wrong_elements(arrays: Iterable, sweep: Sweep) -> int:
         else:
             wrong += int(np.count_nonzero(~(np.abs(a - want) <= rtol * abs(want))))
     return wrong
+
+
+def workload_inputs(sweep: Sweep, device: int) -> list[np.ndarray]:
+    """What device ``device`` (counted across processes, from 0) holds for each tensor of the sweep's
+    workload: element ``i`` of tensor ``t`` is ``device + 1 + (t + i) % 4``, so that a tensor or an element
+    out of place shows up as wrong, and every sum stays exact in every dtype.
+
+    Example:
+        >>> from xreduce_bench.workloads import Workload
+        >>> s = Sweep("all_reduce", "float32", "mean", (24,), processes=2, devices=1, iters=1, warmup=0,
+        ...           workload=Workload("w", ((2,), (2, 2))))
+        >>> [a.tolist() for a in workload_inputs(s, 1)]
+        [[2.0, 3.0], [[3.0, 4.0], [5.0, 2.0]]]
+    """
+    dtype = numpy_dtype(sweep.dtype)
+    return [_pattern(t, shape).__add__(device + 1).astype(dtype) for t, shape in enumerate(sweep.workload.shapes)]
+
+
+def workload_expected(sweep: Sweep, t: int) -> np.ndarray:
+    """Tensor ``t``'s result, in float64 (exact): the sum over the sweep's devices of
+    :func:`workload_inputs`, divided by their number for a mean.
+
+    Example:
+        >>> from xreduce_bench.workloads import Workload
+        >>> s = Sweep("all_reduce", "float32", "mean", (8,), processes=2, devices=1, iters=1, warmup=0,
+        ...           workload=Workload("w", ((2,),)))
+        >>> workload_expected(s, 0)
+        array([1.5, 2.5])
+    """
+    n = sweep.ranks
+    total = _pattern(t, sweep.workload.shapes[t]) * n + n * (n + 1) // 2
+    return total / n if sweep.reduce_op == "mean" else total
+
+
+def workload_wrong(results: Sequence[Iterable], sweep: Sweep) -> int:
+    """How many elements of ``results`` (per tensor of the workload, its arrays on every destination) differ
+    from :func:`workload_expected`, compared exactly in each result's own dtype.
+
+    Example:
+        >>> from xreduce_bench.workloads import Workload
+        >>> s = Sweep("all_reduce", "float32", "mean", (8,), processes=2, devices=1, iters=1, warmup=0,
+        ...           workload=Workload("w", ((2,),)))
+        >>> workload_wrong([[np.array([1.5, 2.0], np.float32)]], s)
+        1
+    """
+    if len(results) != len(sweep.workload.shapes):
+        raise ValueError(f"{len(results)} results for {len(sweep.workload.shapes)} tensors")
+    wrong = 0
+    for t, arrays in enumerate(results):
+        want = workload_expected(sweep, t)
+        for a in arrays:
+            a = np.asarray(a)
+            wrong += int(np.count_nonzero(a != want.astype(a.dtype).reshape(a.shape)))
+    return wrong
+
+
+def _pattern(t: int, shape: tuple[int, ...]) -> np.ndarray:
+    """``(t + i) % 4`` for element ``i`` of tensor ``t``, in float64, shaped."""
+    count = int(np.prod(shape, dtype=np.int64))
+    return ((np.arange(count, dtype=np.int64) + t) % 4).astype(np.float64).reshape(shape)

@@ -25,9 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from xreduce_bench import oracle
 from xreduce_bench.sweep import PEERS, BenchError, Sweep, SystemResult, numpy_dtype
 from xreduce_bench.table import _Reporter
 from xreduce_bench.workers import _collect, _nothing, _popen, _run_pool, _stop, _timed_sweep
+from xreduce_bench.workloads import ddp_buckets
 
 ECHO_METHOD = "/xreduce.bench.Echo/Echo"
 _THIS_MODULE = "xreduce_bench.peers"  # mpirun and the echo server start it with -m
@@ -85,6 +87,8 @@ def _gloo_start(sweep: Sweep, rank: int) -> tuple[Callable, Callable]:
     divide = _divides(sweep, rank, dtype.is_floating_point)
 
     def prepare(size: int):
+        if sweep.workload is not None:
+            return _gloo_workload(sweep, rank, divide)
         source = torch.full((sweep.count(size),), rank + 1, dtype=dtype)
         buf = torch.empty_like(source)
 
@@ -102,6 +106,67 @@ def _gloo_start(sweep: Sweep, rank: int) -> tuple[Callable, Callable]:
         return (lambda: buf.copy_(source)), run, lambda result: None
 
     return prepare, dist.destroy_process_group
+
+
+def _gloo_workload(sweep: Sweep, rank: int, divide: bool):
+    """The workload as DistributedDataParallel all-reduces it: the gradients are views of one flat buffer
+    laid out bucket by bucket (``gradient_as_bucket_view``), DDP's buckets (:func:`ddp_buckets`) are
+    all-reduced asynchronously in order, then waited for; no copy is counted."""
+    import torch
+    import torch.distributed as dist
+
+    shapes = sweep.workload.shapes
+    counts = sweep.workload.sizes(1)
+    buckets = ddp_buckets(sweep.workload.sizes(numpy_dtype(sweep.dtype).itemsize))
+    offsets, spans, at = {}, [], 0
+    for bucket in buckets:
+        start = at
+        for t in bucket:
+            offsets[t] = at
+            at += counts[t]
+        spans.append((start, at))
+    flat = torch.empty(at, dtype=getattr(torch, sweep.dtype))
+    source = torch.empty_like(flat)
+    for t, values in enumerate(oracle.workload_inputs(sweep, rank)):
+        source[offsets[t]:offsets[t] + counts[t]] = torch.from_numpy(values.reshape(-1))
+    views = [flat[a:b] for a, b in spans]
+
+    def run():
+        for work in [dist.all_reduce(v, op=dist.ReduceOp.SUM, async_op=True) for v in views]:
+            work.wait()
+        if divide:
+            flat.div_(sweep.ranks)
+        return flat
+
+    def check(result) -> int:
+        return oracle.workload_wrong([(result[offsets[t]:offsets[t] + counts[t]].numpy().reshape(shape),)
+                                      for t, shape in enumerate(shapes)], sweep)
+
+    return (lambda: flat.copy_(source)), run, check
+
+
+def _mpi_workload(sweep: Sweep, rank: int, divide: bool, comm, mpi):
+    """The workload as Horovod's tensor fusion all-reduces it: each gradient copied into one fusion buffer,
+    one ``Allreduce`` in place, each result copied out into its own array; the copies are counted."""
+    grads = oracle.workload_inputs(sweep, rank)
+    outs = [np.empty_like(g) for g in grads]
+    fused = np.empty(sum(g.size for g in grads), grads[0].dtype)
+    flat_grads = [g.reshape(-1) for g in grads]
+    bounds = np.cumsum([0] + [g.size for g in grads])
+
+    def run():
+        np.concatenate(flat_grads, out=fused)
+        comm.Allreduce(mpi.IN_PLACE, fused, op=mpi.SUM)
+        if divide:
+            np.divide(fused, sweep.ranks, out=fused)
+        for out, a, b in zip(outs, bounds[:-1], bounds[1:]):
+            out.reshape(-1)[...] = fused[a:b]
+        return outs
+
+    def check(result) -> int:
+        return oracle.workload_wrong([(a,) for a in result], sweep)
+
+    return _nothing, run, check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +211,8 @@ def _mpi_main(config: str) -> int:
         emit({"hello": library, "ranks": n})
 
     def prepare(size: int):
+        if sweep.workload is not None:
+            return _mpi_workload(sweep, rank, divide, comm, MPI)
         send = np.full(sweep.count(size), rank + 1, dtype)
         recv = np.empty_like(send)
 
@@ -163,9 +230,11 @@ def _mpi_main(config: str) -> int:
         return _nothing, run, lambda result: None
 
     def report(index: int, times: list[float], wrong: int | None) -> None:
-        gathered = comm.gather(times, root=0)
+        gathered = comm.gather((times, wrong), root=0)
         if rank == 0:
-            emit({"size": index, "times": [max(t) for t in zip(*gathered)]})
+            wrongs = [w for _, w in gathered if w is not None]
+            emit({"size": index, "times": [max(t) for t in zip(*(t for t, _ in gathered))],
+                  "wrong": sum(wrongs) if wrongs else None})
 
     try:
         _timed_sweep(sweep, comm.Barrier, prepare, report)
@@ -252,7 +321,7 @@ def _run_mpi(system: SystemResult, sweep: Sweep, reporter: _Reporter, tmp: str) 
                 if "hello" in message:
                     messages.put(("header", f"{message['hello']}, {system.about}"))
                 elif "size" in message:
-                    messages.put(("size", 0, message["size"], message["times"], None))
+                    messages.put(("size", 0, message["size"], message["times"], message.get("wrong")))
                 elif message.get("done"):
                     messages.put(("done", 0))
 

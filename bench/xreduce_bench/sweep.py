@@ -14,6 +14,8 @@ import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, for numpy_dtype
 import numpy as np
 import xreduce
 
+from xreduce_bench.workloads import Workload
+
 OPS = ("all_reduce", "reduce", "broadcast")
 TRANSPORTS = ("wire", "shm", "auto")
 PEERS = ("gloo", "mpi")
@@ -43,6 +45,8 @@ class Sweep:
         iters: timed iterations per size.
         warmup: untimed iterations per size before them.
         timeout: seconds any one wait may last.
+        workload: a training step's gradients (``--workload``): each iteration all-reduces every tensor of it
+            in one batch, and ``sizes`` holds its bytes per device alone; None: one tensor per size.
 
     Example:
         >>> s = Sweep("all_reduce", "float32", "sum", (4, 8), processes=2, devices=2, iters=3, warmup=1)
@@ -59,6 +63,7 @@ class Sweep:
     iters: int
     warmup: int
     timeout: float = 300.0
+    workload: Workload | None = None
 
     @property
     def ranks(self) -> int:
@@ -82,12 +87,16 @@ class Sweep:
             >>> s.to_dict()["sizes"], Sweep.from_dict(s.to_dict()) == s
             ([4, 8], True)
         """
-        return {**dataclasses.asdict(self), "sizes": list(self.sizes)}
+        workload = None if self.workload is None else {
+            "name": self.workload.name, "shapes": [list(s) for s in self.workload.shapes]}
+        return {**dataclasses.asdict(self), "sizes": list(self.sizes), "workload": workload}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> Sweep:
         """The sweep whose :meth:`to_dict` is ``fields``."""
-        return cls(**{**fields, "sizes": tuple(fields["sizes"])})
+        w = fields.get("workload")
+        workload = None if w is None else Workload(w["name"], tuple(tuple(s) for s in w["shapes"]))
+        return cls(**{**fields, "sizes": tuple(fields["sizes"]), "workload": workload})
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -149,8 +158,6 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-
-
 def human_size(n: int) -> str:
     """A size as nccl-tests' readers write it.
 
@@ -204,10 +211,13 @@ class SystemResult:
         >>> r = SystemResult("xreduce shm", "4 process(es) x 1 device(s)", [Row(4, 1, [0.001])])
         >>> r.short, r.is_xreduce, r.row(4).time, r.row(8)
         ('shm', True, 0.001, None)
+        >>> SystemResult("xreduce shm:p4", "").transport, SystemResult("xreduce shm:p4", "").num_packs
+        ('shm', 4)
     """
 
     name: str
-    """``xreduce wire``, ``xreduce shm``, ``xreduce auto``, ``gloo``, ``mpi`` or ``echo``."""
+    """``xreduce wire``, ``xreduce shm``, ``xreduce auto`` (with ``:pN`` for ``--num-packs N``), ``gloo``,
+    ``mpi`` or ``echo``."""
     about: str
     rows: list[Row] = dataclasses.field(default_factory=list)
     skipped: str | None = None
@@ -217,6 +227,16 @@ class SystemResult:
     def short(self) -> str:
         """The name in ratio columns: ``wire``, ``shm``, ``gloo``, ..."""
         return self.name.removeprefix("xreduce ")
+
+    @property
+    def transport(self) -> str:
+        """The xreduce transport: :attr:`short` without its ``:pN`` suffix (``num_packs=N``), if any."""
+        return self.short.split(":")[0]
+
+    @property
+    def num_packs(self) -> int:
+        """The ``num_packs`` of an xreduce run: its ``:pN`` suffix, else 1."""
+        return int(self.short.split(":p")[1]) if ":p" in self.short else 1
 
     @property
     def is_xreduce(self) -> bool:

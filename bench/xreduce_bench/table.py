@@ -200,3 +200,36 @@ def plot(results: Sequence[SystemResult], sweep: Sweep, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_workload(results: Sequence[SystemResult], sweep: Sweep, path: str) -> None:
+    """Draws a workload run (one batch per iteration): each system's median time as a bar, its iterations
+    as dots, to ``path``. Needs matplotlib (the ``bench`` extra).
+
+    Example:
+        >>> from xreduce_bench.workloads import Workload
+        >>> s = Sweep("all_reduce", "float32", "mean", (8,), processes=2, devices=1, iters=1, warmup=0,
+        ...           workload=Workload("w", ((2,),)))
+        >>> plot_workload([SystemResult("gloo", "", [Row(8, 2, [0.001])])], s, "step.png")  # doctest: +SKIP
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in results if r.rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(shown) + 2), 4.8))
+    for i, r in enumerate(shown):
+        row = r.rows[0]
+        ax.bar(i, row.time * 1e3, color=f"C{i}", alpha=0.6)
+        ax.plot([i] * len(row.times), [t * 1e3 for t in row.times], ".", color="black", markersize=3)
+        ax.annotate(f"{row.time * 1e3:.1f}", (i, row.time * 1e3), ha="center", va="bottom")
+    ax.set_xticks(range(len(shown)), [r.name for r in shown], rotation=20, ha="right")
+    ax.set_ylabel("time per step (ms): median (bar), iterations (dots)")
+    ax.grid(True, axis="y", alpha=0.3)
+    w = sweep.workload
+    fig.suptitle(f"{w.name}: {len(w.shapes)} tensors, {human_size(sweep.sizes[0])} per device, {sweep.dtype} "
+                 f"{sweep.reduce_op}, {sweep.processes} process(es) x {sweep.devices} device(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -84,6 +84,7 @@ class _XreduceSpec:
     """Each process's device names."""
     root: str
     transport: str
+    num_packs: int = 1
 
 
 def _xreduce_start(spec: _XreduceSpec, rank: int) -> tuple[Callable, Callable]:
@@ -99,14 +100,32 @@ def _xreduce_start(spec: _XreduceSpec, rank: int) -> tuple[Callable, Callable]:
     values = oracle.inputs(sweep)
     dtype = numpy_dtype(sweep.dtype)
     shared = spec.transport in ("shm", "auto") and hasattr(xreduce, "shared_array")
-    ops = distribute.HierarchicalCopyAllReduce()
+    ops = distribute.HierarchicalCopyAllReduce(num_packs=spec.num_packs)
 
     def alloc(count: int, fill: float) -> np.ndarray:
         a = xreduce.shared_array((count,), dtype) if shared else np.empty(count, dtype)
         a[...] = fill
         return a
 
+    def prepare_workload():
+        # Each device's gradients are views of one buffer, as a framework's gradient arena (and DDP's
+        # bucket views) keeps them: in shared memory for the shm transport, so they travel without a copy.
+        per_device = [_views(oracle.workload_inputs(sweep, first + i), alloc) for i in range(len(names))]
+        values = [distribute.PerReplica(list(tensors), devices=names) for tensors in zip(*per_device)]
+        pairs = [(v, v) for v in values]
+
+        def run():
+            return ops.batch_reduce(sweep.reduce_op, pairs)
+
+        def check(results) -> int:
+            return oracle.workload_wrong([r.values if isinstance(r, distribute.DistributedValues) else (r,)
+                                          for r in results], sweep)
+
+        return _nothing, run, check
+
     def prepare(size: int):
+        if sweep.workload is not None:
+            return prepare_workload()
         inputs = [alloc(sweep.count(size), values[first + i]) for i in range(len(names))]
         value = distribute.PerReplica(inputs, devices=names)
         if sweep.op == "all_reduce":
@@ -132,6 +151,24 @@ def _xreduce_start(spec: _XreduceSpec, rank: int) -> tuple[Callable, Callable]:
         distribution.shutdown()
 
     return prepare, close
+
+
+def _views(tensors: Sequence[np.ndarray], alloc: Callable[[int, float], np.ndarray]) -> list[np.ndarray]:
+    """``tensors`` copied into one buffer from ``alloc(elements, fill)``, each at a 64-byte aligned offset;
+    the views of it, in order."""
+    align = max(1, 64 // tensors[0].dtype.itemsize)
+    offsets, at = [], 0
+    for t in tensors:
+        at += -at % align
+        offsets.append(at)
+        at += t.size
+    flat = alloc(max(at, 1), 0)
+    views = []
+    for t, start in zip(tensors, offsets):
+        view = flat[start:start + t.size].reshape(t.shape)
+        view[...] = t
+        views.append(view)
+    return views
 
 
 # --------------------------------------------------------------------------- in the parent
@@ -258,11 +295,13 @@ def _run_pool(system: SystemResult, start: _Start, spec: Any, processes: int, en
 _groups = itertools.count()
 
 
-def _run_xreduce(system: SystemResult, sweep: Sweep, address: str, names: list[str], reporter: _Reporter) -> None:
-    """Runs one xreduce transport (``system.short``) with ``sweep.processes`` workers on the daemon's ``names``."""
-    transport = system.short
+def _run_xreduce(system: SystemResult, sweep: Sweep, address: str, names: list[str], reporter: _Reporter,
+                 num_packs: int = 1) -> None:
+    """Runs one xreduce transport (``system.transport``) with ``sweep.processes`` workers on the daemon's
+    ``names``, ``HierarchicalCopyAllReduce(num_packs=num_packs)``."""
+    transport = system.transport
     per_process = tuple(tuple(names[p * sweep.devices:(p + 1) * sweep.devices]) for p in range(sweep.processes))
-    spec = _XreduceSpec(sweep, per_process, per_process[0][0], transport)
+    spec = _XreduceSpec(sweep, per_process, per_process[0][0], transport, num_packs)
     group = f"xreduce-bench-{os.getpid()}-{transport}-{next(_groups)}"
     envs = [{"XREDUCE_ADDRESS": address, "XREDUCE_TRANSPORT": transport, "XREDUCE_GROUP": group,
              "XREDUCE_LOCAL_DEVICES": ",".join(devices)} for devices in per_process]

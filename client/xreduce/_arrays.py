@@ -8,6 +8,7 @@ decides where they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,12 @@ def _dtype_of(value: Any) -> tuple[str, str] | None:
         dtype = np.dtype(dtype)
     except TypeError:
         return None
+    return _names(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _names(dtype: np.dtype) -> tuple[str, str]:
+    """A dtype's name and how it shows (numpy computes both in Python, and a batch asks per tensor)."""
     return dtype.name, str(dtype)
 
 

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from xreduce._errors import XReduceError
+from xreduce._fusion import Fused
 from xreduce._segments import Releases, Segment, SegmentPool, SharedArrays
 from xreduce._session import Session
 from xreduce.v1 import xreduce_pb2 as pb
@@ -190,8 +191,10 @@ class SharedMemory:
         with contextlib.suppress(Exception):
             self._unregister(name)
 
-    def stage(self, arrays: Sequence[np.ndarray]) -> tuple[list[pb.Tensor], Callable[..., None]]:
-        """Region tensors for ``arrays``: shared arrays as they are, others copied into staging.
+    def stage(self, arrays: Sequence[np.ndarray | Fused]) -> tuple[list[pb.Tensor], Callable[..., None]]:
+        """Region tensors for ``arrays``: shared arrays as they are, others copied into staging. A
+        :class:`~xreduce._fusion.Fused` value is one flat tensor: where its parts lie back to back in one
+        shared segment, else its parts copied back to back.
 
         Returns:
             (the tensors, ``free(failed=False)``: frees the staging space once the call returned;
@@ -206,7 +209,7 @@ class SharedMemory:
         placed: list[tuple[str, int, int] | None] = []
         need = 0
         for a in arrays:
-            where = self._arrays.find(a)
+            where = self._find(a)
             if where is not None and where[0] not in self._registered:
                 self._arrays.add_user(where[0], self)
                 self._register(where[0], where[2])
@@ -221,7 +224,10 @@ class SharedMemory:
             for a, dtype, where in zip(arrays, dtypes, placed):
                 if where is None:
                     at += -at % OUTPUT_ALIGNMENT
-                    seg.base[at:at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+                    piece = at
+                    for part in a.parts if isinstance(a, Fused) else (a,):
+                        seg.base[piece:piece + part.nbytes].view(part.dtype).reshape(part.shape)[...] = part
+                        piece += part.nbytes
                     where = (seg.name, at, seg.size)
                     at += a.nbytes
                 tensors.append(_region_tensor(a, dtype, where))
@@ -236,6 +242,22 @@ class SharedMemory:
                 self._staging.release(seg)
 
         return tensors, free
+
+    def _find(self, a: np.ndarray | Fused) -> tuple[str, int, int] | None:
+        """Where ``a`` lies in a shared_array segment (a fused value: all its parts back to back), else None."""
+        if not isinstance(a, Fused):
+            return self._arrays.find(a)
+        parts = [p for p in a.parts if p.nbytes]
+        spans = [self._arrays.find(p) for p in parts]
+        if not spans or None in spans:
+            return None
+        name, start, size = spans[0]
+        at = start
+        for (n, offset, _), part in zip(spans, parts):
+            if n != name or offset != at:
+                return None
+            at += part.nbytes
+        return name, start, size
 
     def output(self, nbytes: int) -> tuple[pb.RegionSlice, Output]:
         """An output slice of at least ``nbytes``; the segment is reused once
@@ -317,7 +339,7 @@ class Output:
             self._discard(self._seg)
 
 
-def _region_tensor(array: np.ndarray, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:
+def _region_tensor(array: np.ndarray | Fused, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:
     return pb.Tensor(dtype=dtype, shape=array.shape, region=pb.RegionSlice(name=where[0], offset=where[1],
                                                                             byte_size=array.nbytes))
 

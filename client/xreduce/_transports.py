@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf import duration_pb2
 
-from xreduce import _ipc, _sparse, _stall, _streaming
+from xreduce import _fusion, _ipc, _sparse, _stall, _streaming
 from xreduce._call import Algorithm, BroadcastCall, ReduceCall
 from xreduce._client import Client
 from xreduce._errors import XReduceError
@@ -224,7 +224,14 @@ class _RegionsPath(Transport):
         """(what stages: ``stage``/``output``, the arrays to stage, each pair's first array, each pair's restore)."""
         raise NotImplementedError
 
+    def _fuse(self, call: ReduceCall) -> tuple[ReduceCall, Callable[[list[Any]], list[Any]]]:
+        """The call to send instead of ``call``, and what turns its results into ``call``'s (see
+        :mod:`xreduce._fusion`); this path sends every pair as it is."""
+        return call, _as_they_are
+
     def reduce(self, call: ReduceCall) -> list[Any]:
+        given = call
+        call, finish = self._fuse(call)
         stager, arrays, firsts, restores = self._stager(call)
         try:
             tensors, free = stager.stage(arrays)
@@ -238,7 +245,7 @@ class _RegionsPath(Transport):
         except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
             if self._fallback is None:
                 raise
-            return self._fallback().reduce(call)
+            return self._fallback().reduce(given)
         try:
             it = iter(tensors)
             values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices])
@@ -249,7 +256,11 @@ class _RegionsPath(Transport):
             _abandon(result)
             raise
         free()
-        return [_regroup(r, restore, result) for r, restore in zip(results, restores)]
+        return finish([_regroup(r, restore, result) for r, restore in zip(results, restores)])
+
+
+def _as_they_are(results: list[Any]) -> list[Any]:
+    return results
 
 
 def _abandon(result: Callable) -> None:
@@ -261,7 +272,12 @@ def _abandon(result: Callable) -> None:
 
 class SharedMemoryPath(_RegionsPath):
     """Host arrays through shared memory: :func:`xreduce.shared_array` arrays as they are, others copied
-    into a staging segment; results are views of an output segment (small ones copied out)."""
+    into a staging segment; results are views of an output segment (small ones copied out). A batch's small
+    values are fused (:mod:`xreduce._fusion`)."""
+
+    def _fuse(self, call: ReduceCall) -> tuple[ReduceCall, Callable[[list[Any]], list[Any]]]:
+        plan = None if call.single else _fusion.groups(call.pairs)
+        return (call, _as_they_are) if plan is None else _fusion.fuse(call, plan)
 
     def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
         hosts = [p.value.hosts() for p in call.pairs]

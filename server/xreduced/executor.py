@@ -91,15 +91,20 @@ def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str,
         ...
         xreduced.errors.InvalidArgument: out[0]: must be a writable float32[3] array; got float16[3]
     """
-    want = f"{dtype.name}{list(shape)}"
+    # The messages are made only on failure: a batch checks one array per tensor and destination.
+    def want() -> str:
+        return f"{field}: must be a writable {dtype.name}{list(shape)} array; got"
+
+    def got() -> str:
+        return f"{np.dtype(array.dtype).name}{list(array.shape)}"
+
     device = backend is not None and backend.is_device_array(array)  # e.g. a view of a caller's GPU memory
     if not isinstance(array, np.ndarray) and not device:
-        raise InvalidArgument(f"{field}: must be a writable {want} array; got {type(array).__name__}")
-    got = f"{np.dtype(array.dtype).name}{list(array.shape)}"
+        raise InvalidArgument(f"{want()} {type(array).__name__}")
     if np.dtype(array.dtype) != dtype or tuple(array.shape) != tuple(shape):
-        raise InvalidArgument(f"{field}: must be a writable {want} array; got {got}")
+        raise InvalidArgument(f"{want()} {got()}")
     if not device and not array.flags.writeable:
-        raise InvalidArgument(f"{field}: must be a writable {want} array; got a read-only {got}")
+        raise InvalidArgument(f"{want()} a read-only {got()}")
     return array
 
 
@@ -373,25 +378,39 @@ class _Runner:
             self.deadline.check(f"reducing pack {pack.index} of {len(self.plan.packs)}")
             inputs = [src[t][start:stop] for src in self.sources]
             dtype = inputs[0].dtype
+            sinks = [self.sinks[d][t][start:stop] for d in self.plan.destinations]
+            # The sum that is a result goes straight into the first destination that takes it (and a float
+            # MEAN divides it there, in place): no scratch write and read, no array made per chunk.
+            direct = {}
+            if program.results:
+                kind, p = program.results[0]
+                if kind == "sum" and (not self.mean or _divides_in_place(dtype, sinks[0].dtype)):
+                    direct[p] = sinks[0]
             sums = []
             for i, operands in enumerate(program.sums):
-                buf = scratch.get((i, dtype))
-                if buf is None or buf.size < stop - start:
-                    buf = scratch[(i, dtype)] = np.empty(stop - start, dtype)
-                acc = buf[: stop - start]
+                acc = direct.get(i)
+                if acc is None:
+                    buf = scratch.get((i, dtype))
+                    if buf is None or buf.size < stop - start:
+                        buf = scratch[(i, dtype)] = np.empty(stop - start, dtype)
+                    acc = buf[: stop - start]
                 first, second, *rest = (inputs[p] if kind == "in" else sums[p] for kind, p in operands)
                 np.add(first, second, out=acc, dtype=dtype)
                 for other in rest:
                     np.add(acc, other, out=acc, dtype=dtype)
+                if self.mean and i in direct:
+                    np.true_divide(acc, dtype.type(n), out=acc)
                 sums.append(acc)
-            divided: dict[tuple[str, int], np.ndarray] = {}
-            for d, (kind, p) in zip(self.plan.destinations, program.results):
-                value = inputs[p] if kind == "in" else sums[p]
-                if self.mean:
-                    if (kind, p) not in divided:
-                        divided[(kind, p)] = divide(np, value, n)
-                    value = divided[(kind, p)]
-                np.copyto(self.sinks[d][t][start:stop], value)
+            done: dict[tuple[str, int], np.ndarray] = {("sum", p): a for p, a in direct.items()}
+            for sink, (kind, p) in zip(sinks, program.results):
+                value = done.get((kind, p))
+                if value is None:
+                    value = inputs[p] if kind == "in" else sums[p]
+                    if self.mean:
+                        value = divide(np, value, n)
+                    done[(kind, p)] = value
+                if value is not sink:
+                    np.copyto(sink, value)
 
     def parallel(self, units, threads: int) -> None:
         """Splits ``units`` into ``threads`` runs of about equal elements; this thread takes the last."""
@@ -420,6 +439,13 @@ class _Runner:
         except BaseException:
             self.failed.set()  # the other threads stop at their next chunk
             raise
+
+
+def _divides_in_place(dtype: np.dtype, result: np.dtype) -> bool:
+    """Whether MEAN's division of a ``dtype`` sum is one in-place true divide by ``dtype.type(n)`` into a
+    ``result`` array: floating-point sums divide in their own dtype (see
+    :func:`xreduced.backends.numpy_backend.divide`); integers are promoted and complex parts divided apart."""
+    return dtype == result and (dtype.kind == "f" or dtype.name == "bfloat16")
 
 
 class _Pool:

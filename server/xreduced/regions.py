@@ -423,6 +423,7 @@ class CallRegions:
         self.session_id = session_id
         self._table = table
         self._pinned: list[Region] = []
+        self._checked: set[int] = set()  # the regions whose size this call has looked at
 
     def view(self, name: str, offset: int, byte_size: int, dtype: np.dtype, shape: tuple[int, ...],
              field: str) -> Any:
@@ -438,8 +439,10 @@ class CallRegions:
         """
         region = self._table._pin(self.session_id, name, offset, byte_size, field)
         self._pinned.append(region)
-        if region.check is not None:
+        # Once per region and call: a batch names one region for many tensors.
+        if region.check is not None and id(region) not in self._checked:
             region.check()
+            self._checked.add(id(region))
         return region.view(offset, dtype, shape)
 
     def release(self) -> None:

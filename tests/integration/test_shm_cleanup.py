@@ -109,8 +109,9 @@ def test_a_call_the_daemon_refuses_leaves_nothing_here_or_there(d):
     assert wait_until(lambda: not mapped_by(d, (names | left) - ours())), "the daemon let go of what the SDK unlinked"
 
 
-def test_a_call_refused_over_a_limit_leaves_nothing_behind(start_daemon):
+def test_a_call_refused_over_a_limit_leaves_nothing_behind(start_daemon, monkeypatch):
     """RESOURCE_EXHAUSTED: a batch whose request is over --max-request-bytes."""
+    monkeypatch.setenv("XREDUCE_FUSION", "0")  # fused, the 40 values would be one small tensor in the request
     small = start_daemon("--listen", "127.0.0.1:0", "--virtual-devices", "2", "--max-request-bytes", "2048")
     ops = ReductionToOneDevice(address=small.address, transport="shm")
     value = PerReplica([np.ones(1 << 12, np.float32)] * 2, devices=DEVICES)

@@ -33,10 +33,12 @@ def sections(out: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     current = None
     for line in out.splitlines():
-        m = re.match(r"# (xreduce \w+|gloo|mpi|echo|ratios|targets)\b", line)
+        m = re.match(r"# (xreduce [\w:]+|gloo|mpi|echo|ratios|targets)\b", line)
         if m:
             current = m.group(1)
             found[current] = [line]
+        elif re.match(r"# [a-z]", line):  # another section (the daemon's memory, the plot)
+            current = None
         elif current is not None and line.strip():
             found[current].append(line)
     return found
@@ -106,6 +108,11 @@ def test_plot_writes_a_png(tmp_path):
     out = bench("--embedded", "--devices", "2", "--max-bytes", "64", "--iters", "2", "--plot", str(plot)).stdout
     assert f"# plot: {plot}" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the daemon started for the run was watched: its peak RSS against its stated bound
+    assert re.search(r"^# daemon memory over the run \(\d+ samples, 50 ms\): idle RSS [\d.]+ MiB; peak RSS [\d.]+ MiB "
+                     r"\(its own memory [\d.]+ MiB, .*\), VmHWM [\d.]+ MiB; bound: idle \+ "
+                     r"--max-inflight-bytes 4096.0 MiB \+ 6 x largest message \d+ B = [\d.]+ MiB: within$",
+                     out, re.MULTILINE)
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path):
@@ -153,3 +160,43 @@ def test_bad_arguments_name_the_values(daemon):
     assert result.returncode == 2 and "--peers: unknown peer(s) nccl; peers: gloo, mpi" in result.stderr
     result = bench("--address", daemon.address, "--transport", "wire,tcp", check=False)
     assert result.returncode == 2 and "--transport: a comma-separated list of wire, shm, auto" in result.stderr
+
+
+def test_a_workload_file_runs_as_one_batch_checked_exact_with_its_peers(daemon, tmp_path):
+    # three small gradients and one of 2 x 300 elements, 2 processes; gloo in DDP's buckets and MPI over a
+    # fused buffer where they are installed; every result element checked against the oracle
+    shapes = [[4, 3], [7], [2, 300], [1]]
+    workload = tmp_path / "tiny.json"
+    workload.write_text(json.dumps(shapes))
+    peers = [p for p, module in (("gloo", "torch"), ("mpi", "mpi4py")) if importlib.util.find_spec(module)]
+    out = bench("--address", daemon.address, "--processes", "2", "--workload-file", str(workload), "--reduce-op",
+                "mean", "--num-packs", "0,1", "--iters", "2", "--warmup", "1", "--json", str(tmp_path / "w.json"),
+                *(["--peers", ",".join(peers)] if peers else [])).stdout
+    elements = 12 + 7 + 600 + 1
+    assert out.startswith(f"# xreduce bench: all_reduce, float32, mean, 2 process(es) x 1 device(s): n = 2 ranks; "
+                          f"workload tiny: 4 tensors, {elements} elements, 0.0 MiB per device, in one batch; ")
+    found = sections(out)
+    for name in ("xreduce auto:p0", "xreduce auto:p1"):
+        assert found[name][0].endswith("XREDUCE_TRANSPORT=auto, num_packs=" + name[-1])
+        (row,) = table(found[name])
+        assert row["size(B)"] == str(4 * elements) and row["count"] == str(elements) and row["#wrong"] == "0"
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["sweep"]["workload"] == {"name": "tiny", "shapes": shapes}
+    for peer in peers:
+        (row,) = table(found[peer])
+        assert row["#wrong"] == "0"
+        assert any(t["peer"] == peer and t["bound"] == 0.6 for t in data["targets"])
+    if peers:
+        assert found["ratios"][1].lstrip("#").split() == ["size(B)", *(f"auto:p{k}/{p}" for k in (0, 1)
+                                                                         for p in peers)]
+
+
+def test_bad_workload_arguments_name_the_values(daemon, tmp_path):
+    result = bench("--address", daemon.address, "--workload-file", str(tmp_path / "missing.json"), check=False)
+    assert result.returncode == 2 and f"--workload-file {tmp_path / 'missing.json'}: " in result.stderr
+    result = bench("--address", daemon.address, "--workload", "resnet50", "--op", "broadcast", check=False)
+    assert result.returncode == 2 and "--workload and --workload-file all-reduce a batch; got --op broadcast" \
+        in result.stderr
+    result = bench("--address", daemon.address, "--workload", "resnet50", "--num-packs", "1,x", check=False)
+    assert result.returncode == 2 and "--num-packs: a comma-separated list of whole numbers >= 0 without repeats; " \
+        "got '1,x'" in result.stderr

@@ -384,7 +384,11 @@ def test_mirrored_strategy_run_then_reduce_one_process_per_device(strategy_job, 
 
 
 @pytest.mark.parametrize("count", [2, 4], ids=lambda c: f"P{c}")
-def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8, count):
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8, count, fusion, monkeypatch):
+    # XREDUCE_FUSION=0: each value on its own, and the daemon names the tensor that differs. Fused (the
+    # default), the two small values travel as one tensor of 2 + 3 elements, and the message names that.
+    monkeypatch.setenv("XREDUCE_FUSION", fusion)
     group = new_group("mismatch")
     bad = count - 1
 
@@ -398,6 +402,9 @@ def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8,
     events = run_job(daemon8.address, scripts, group)
     want = (f"process {bad} sent float32[4] but process 0 sent float32[3] for tensor 1 of collective 1 in group "
             f'"{group}"')
+    if fusion == "1":
+        want = (f"process {bad} sent float32[6] but process 0 sent float32[5] for tensor 0 of collective 1 in "
+                f'group "{group}"')
     for ev in events:
         assert failed(ev[2], "InvalidArgumentError") == want
     for i in (1, 3):

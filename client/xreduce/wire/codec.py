@@ -32,6 +32,7 @@ _BY_ENUM: dict[int, np.dtype] = {
     pb.DATA_TYPE_COMPLEX128: np.dtype(np.complex128),
 }
 _BY_NAME: dict[str, int] = {dt.name: enum for enum, dt in _BY_ENUM.items()}
+_BY_DTYPE: dict[np.dtype, int] = {dt: enum for enum, dt in _BY_ENUM.items()}
 
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(dt.name for dt in _BY_ENUM.values())
 """Names of the dtypes the wire carries, e.g. ``'float32'``, ``'bfloat16'``."""
@@ -61,6 +62,8 @@ def dtype_enum(dtype: object, field: str = "dtype") -> int:
         >>> dtype_enum(np.float32) == pb.DATA_TYPE_FLOAT32
         True
     """
+    if isinstance(dtype, np.dtype) and dtype in _BY_DTYPE:  # numpy's dtype.name is slow, and asked per tensor
+        return _BY_DTYPE[dtype]
     try:
         name = np.dtype(dtype).name  # type: ignore[call-overload]
     except TypeError:

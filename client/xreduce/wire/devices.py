@@ -8,6 +8,7 @@ device type in any case.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 DEVICE_TYPES = ("CPU", "GPU")
 
@@ -55,6 +56,12 @@ class DeviceName:
             ValueError: ``spec`` is not a string, is empty, or is not a device name;
                 the message repeats it.
         """
+        if cls is DeviceName and isinstance(spec, str):
+            return _parse_cached(spec)  # a batch names the same few devices for every tensor
+        return cls._parse(spec)
+
+    @classmethod
+    def _parse(cls, spec: str) -> DeviceName:
         if not isinstance(spec, str):
             raise ValueError(
                 f"a device name must be a string such as 'GPU:0'; got {spec!r} "
@@ -87,6 +94,12 @@ class DeviceName:
                 "task:0/device:GPU:0'"
             )
         return cls(**fields)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_cached(spec: str) -> DeviceName:
+    """:meth:`DeviceName.parse` of a string, remembered (names are immutable; errors are not remembered)."""
+    return DeviceName._parse(spec)
 
 
 def _int(text: str, spec: str) -> int:
