@@ -18,12 +18,11 @@ lie back to back in one shared-memory segment (views of one gradient buffer)
 is sent where it lies; otherwise its parts are copied back to back into the
 staging segment, which the SDK does for arrays outside shared memory anyway.
 
-One check is weaker for fused values: the daemon compares the processes' fused
-tensors, so processes that disagree on the shapes of small values are told
-that a fused tensor differs (and not at all when the totals agree).
-``XREDUCE_FUSION=0`` sends every value on its own, for the daemon's check of
-each (replicas of one process that disagree are never fused, so that check
-stays exact).
+A fused value carries its parts' shapes and places in the batch
+(``DistributedValue.fused_parts``): the daemon checks that every process of a
+collective fused the same values of the same shapes, and names the value that
+differs, as it does for values sent on their own. ``XREDUCE_FUSION=0`` sends
+every value on its own.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import numpy as np
 from xreduce._arrays import HostArray
 from xreduce._call import Pair, ReduceCall
 from xreduce._values import Mirrored
+from xreduce.v1 import xreduce_pb2 as pb
 
 FUSE_UP_TO = 1 << 20
 """Values of up to this many bytes (per device) are fused with the others of their kind. Above it, a value's
@@ -82,13 +82,33 @@ class Fused:
 
 
 class _FusedValue:
-    """What a transport reads of a fused pair: one host array (a :class:`Fused`) per device."""
+    """What a transport reads of a fused pair: one host array (a :class:`Fused`) per device, and each
+    part's place in the batch and shape."""
 
-    def __init__(self, hosts: tuple[HostArray, ...]):
+    def __init__(self, hosts: tuple[HostArray, ...], parts: tuple[tuple[int, tuple[int, ...]], ...]):
         self._hosts = hosts
+        self.parts = parts
 
     def hosts(self) -> tuple[HostArray, ...]:
         return self._hosts
+
+
+def fused_parts(value: Any) -> list[pb.FusedPart]:
+    """``DistributedValue.fused_parts`` for a pair's value: the parts of a fused one, else none. The daemon
+    checks that every process fused the same values of the same shapes, and names the value that differs.
+
+    Example:
+        >>> fused_parts(_FusedValue((), ((0, (2,)), (3, (1, 4)))))[1]
+        shape: 1
+        shape: 4
+        index: 3
+        <BLANKLINE>
+        >>> fused_parts(object())
+        []
+    """
+    if not isinstance(value, _FusedValue):
+        return []
+    return [pb.FusedPart(shape=shape, index=i) for i, shape in value.parts]
 
 
 def groups(pairs: Sequence[Pair]) -> list[tuple[int, ...]] | None:
@@ -145,7 +165,8 @@ def fuse(call: ReduceCall, plan: list[tuple[int, ...]]) -> tuple[ReduceCall, Cal
         hosts = [call.pairs[i].value.hosts() for i in g]
         fused = tuple(HostArray(Fused(tuple(h[k].array for h in hosts)), None, _same)  # type: ignore[arg-type]
                       for k in range(len(first.devices)))
-        sent.append(Pair(_FusedValue(fused), first.devices, first.destinations))  # type: ignore[arg-type]
+        parts = tuple((i, tuple(call.pairs[i].value.hosts()[0].array.shape)) for i in g)
+        sent.append(Pair(_FusedValue(fused, parts), first.devices, first.destinations))  # type: ignore[arg-type]
 
     def finish(results: list[Any]) -> list[Any]:
         out: list[Any] = [None] * len(call.pairs)

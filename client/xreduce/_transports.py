@@ -248,8 +248,8 @@ class _RegionsPath(Transport):
             return self._fallback().reduce(given)
         try:
             it = iter(tensors)
-            values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices])
-                      for p in call.pairs]
+            values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices],
+                                          fused_parts=_fusion.fused_parts(p.value)) for p in call.pairs]
             results = _send(self._client, call, values, self._shm.session_id(), output=output)
         except BaseException:
             free(failed=True)  # no answer: the daemon may still use the staged inputs, and the output

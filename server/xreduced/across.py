@@ -114,7 +114,8 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
                                dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
         templates = [v.arrays[0] for v, _ in joined]
-        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm, [_agreed(a) for a in templates])
+        sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm,
+                        [(_agreed(v.arrays[0]), v.parts) for v, _ in joined])
         mine = header(_OK, sig, len(joined[0][0].devices) if joined else 0, sum(a.nbytes for a in templates))
     except InvalidArgument as e:
         refused, mine = e, header(_REFUSED)

@@ -128,11 +128,25 @@ def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) 
             check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
         for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
             mine, theirs = value.arrays[0], ref_value.arrays[0]
+            if value.parts != ref_value.parts:
+                raise InvalidArgument(_parts_differ(pid, value, ref_pid, ref_value, t, what))
             if _spec(mine) != _spec(theirs):
                 raise InvalidArgument(
                     f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
                     f"for tensor {t} of {what}"
                 )
+
+
+def _parts_differ(pid: int, value: Value, ref_pid: int, ref_value: Value, t: int, what: str) -> str:
+    """Why two processes' fused values differ: the first value whose shape differs, named by its place in
+    the callers' batch, or which values each fused."""
+    dtype = value.arrays[0].dtype.name
+    for (i, shape), (j, ref_shape) in zip(value.parts, ref_value.parts):
+        if i == j and shape != ref_shape:
+            return (f"process {pid} sent {dtype}{list(shape)} but process {ref_pid} sent {dtype}{list(ref_shape)} "
+                    f"for tensor {i} of {what}")
+    return (f"process {pid} fused tensors {[i for i, _ in value.parts]} but process {ref_pid} fused "
+            f"{[i for i, _ in ref_value.parts]} into tensor {t} of {what}; the processes' batches differ")
 
 
 def join_shares(engine: Engine, shares: Mapping[int, Contribution], what: str
@@ -164,7 +178,8 @@ def join_shares(engine: Engine, shares: Mapping[int, Contribution], what: str
                 owner[d] = pid
                 arrays[d] = arr
             dests.update(dict.fromkeys(pair_dests))
-        joined.append((Value(tuple(arrays), tuple(arrays.values()), f"tensor {t} of {what}"), tuple(dests)))
+        joined.append((Value(tuple(arrays), tuple(arrays.values()), f"tensor {t} of {what}", ref.pairs[t][0].parts),
+                       tuple(dests)))
         outs.append(out or None)
     return joined, outs
 

@@ -261,7 +261,44 @@ def value(message: pb.DistributedValue, field: str, table: DeviceTable, regions:
             arrays.append(wire_sparse.decode(comp.indexed_slices, f"{field}.components[{p}].indexed_slices"))
         else:
             arrays.append(tensor(comp.tensor, f"{field}.components[{p}].tensor", regions))
-    return Value(tuple(where), tuple(arrays), field)
+    return Value(tuple(where), tuple(arrays), field, fused_parts(message, field, arrays))
+
+
+def fused_parts(message: pb.DistributedValue, field: str,
+                arrays: Sequence[Any]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A fused value's parts as ``(index, shape)``, checked against its components: dense, one
+    dimension, as many elements as the parts together.
+
+    Raises:
+        InvalidArgument: naming the field and the value.
+
+    Example:
+        >>> m = pb.DistributedValue(fused_parts=[pb.FusedPart(shape=[2], index=0),
+        ...                                      pb.FusedPart(shape=[1, 3], index=2)])
+        >>> fused_parts(m, "value", [np.zeros(5)])
+        ((0, (2,)), (2, (1, 3)))
+        >>> try:
+        ...     fused_parts(m, "value", [np.zeros(4)])
+        ... except InvalidArgument as e:
+        ...     print(e)
+        value.fused_parts: the parts hold 5 elements but components[0] is float64[4]
+    """
+    if not message.fused_parts:
+        return ()
+    parts = []
+    for i, part in enumerate(message.fused_parts):
+        if any(d < 0 for d in part.shape) or part.index < 0:
+            raise InvalidArgument(f"{field}.fused_parts[{i}]: dimensions and index must be >= 0; got "
+                                  f"shape={list(part.shape)}, index={part.index}")
+        parts.append((part.index, tuple(part.shape)))
+    total = sum(math.prod(shape) for _, shape in parts)
+    for p, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise InvalidArgument(f"{field}.fused_parts: components[{p}] is sparse; only dense values are fused")
+        if a.ndim != 1 or a.size != total:
+            raise InvalidArgument(f"{field}.fused_parts: the parts hold {total} elements but components[{p}] is "
+                                  f"{a.dtype.name}{list(a.shape)}")
+    return tuple(parts)
 
 
 def tensor(message: pb.Tensor, field: str, regions: CallRegions | None) -> Any:

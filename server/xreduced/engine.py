@@ -36,12 +36,15 @@ class Value:
     """A per-replica value: ``arrays[p]`` lives on device ``devices[p]``; every array a
     :class:`~xreduce.wire.sparse.Slices` for a sparse value (host arrays, whatever the backend).
 
-    ``field`` is where it came from in the request, for error messages.
+    ``field`` is where it came from in the request, for error messages. ``parts`` are the
+    ``(index, shape)`` of the values a fused value holds (``DistributedValue.fused_parts``), which
+    the processes of a collective must agree on; empty for a value sent on its own.
     """
 
     devices: tuple[int, ...]
     arrays: tuple[np.ndarray, ...]
     field: str = "value"
+    parts: tuple[tuple[int, tuple[int, ...]], ...] = dataclasses.field(default=(), repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

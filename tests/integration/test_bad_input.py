@@ -219,6 +219,14 @@ OPTION_CASES = [
          reduce(reduce_to_device="CPU:1", algorithm=pb.ALGORITHM_HIERARCHICAL_COPY), INVALID,
          "reduce_to_device: only used with ALGORITHM_REDUCTION_TO_ONE_DEVICE; got 'CPU:1' with "
          "ALGORITHM_HIERARCHICAL_COPY (1)"),
+    # A fused value's parts (the SDK's tensor fusion) must hold its components' elements.
+    case("fused-parts-hold-more-than-the-tensor",
+         reduce(pb.DistributedValue(components=GOOD.components, fused_parts=[
+             pb.FusedPart(shape=[1], index=0), pb.FusedPart(shape=[2], index=1)])), INVALID,
+         "value.fused_parts: the parts hold 3 elements but components[0] is float32[2]"),
+    case("fused-parts-negative-dimension",
+         reduce(pb.DistributedValue(components=GOOD.components, fused_parts=[pb.FusedPart(shape=[-2], index=0)])),
+         INVALID, "value.fused_parts[0]: dimensions and index must be >= 0; got shape=[-2], index=0"),
     # The SDK's NcclAllReduce refuses host devices before sending; the daemon refuses a raw request itself.
     case("algorithm-nccl-on-host-devices",
          reduce(algorithm=pb.ALGORITHM_NCCL), INVALID,

@@ -385,26 +385,31 @@ def test_mirrored_strategy_run_then_reduce_one_process_per_device(strategy_job, 
 
 @pytest.mark.parametrize("count", [2, 4], ids=lambda c: f"P{c}")
 @pytest.mark.parametrize("fusion", ["0", "1"])
-def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8, count, fusion, monkeypatch):
-    # XREDUCE_FUSION=0: each value on its own, and the daemon names the tensor that differs. Fused (the
-    # default), the two small values travel as one tensor of 2 + 3 elements, and the message names that.
+@pytest.mark.parametrize("same_total", [False, True], ids=["grown", "swapped"])
+def test_shape_mismatch_fails_everywhere_then_the_next_collective_works(daemon8, count, fusion, same_total,
+                                                                        monkeypatch):
+    # XREDUCE_FUSION=0: each value on its own; fused (the default), the two small values travel as one tensor
+    # of 2 + 3 elements with their shapes (DistributedValue.fused_parts). Either way the daemon names the value
+    # that differs, even when the fused tensors have the same size (swapped).
     monkeypatch.setenv("XREDUCE_FUSION", fusion)
     group = new_group("mismatch")
     bad = count - 1
 
-    def batch(seed, second):
+    def batch(seed, first, second):
         return {"op": "batch_reduce", "reduce_op": "sum", "num_packs": 1, "seed": seed,
-                "tensors": [{"dtype": "float32", "shape": [2]}, {"dtype": "float32", "shape": second}]}
+                "tensors": [{"dtype": "float32", "shape": first}, {"dtype": "float32", "shape": second}]}
 
-    good = [{"op": "init", "stop_on_error": True}, batch(1, [3]), batch(2, [3]), batch(3, [3])]
+    good = [{"op": "init", "stop_on_error": True}, batch(1, [2], [3]), batch(2, [2], [3]), batch(3, [2], [3])]
     scripts = [list(good) for _ in range(count)]
-    scripts[bad][2] = batch(2, [4])
-    events = run_job(daemon8.address, scripts, group)
-    want = (f"process {bad} sent float32[4] but process 0 sent float32[3] for tensor 1 of collective 1 in group "
-            f'"{group}"')
-    if fusion == "1":
-        want = (f"process {bad} sent float32[6] but process 0 sent float32[5] for tensor 0 of collective 1 in "
+    if same_total:
+        scripts[bad][2] = batch(2, [3], [2])
+        want = (f"process {bad} sent float32[3] but process 0 sent float32[2] for tensor 0 of collective 1 in "
                 f'group "{group}"')
+    else:
+        scripts[bad][2] = batch(2, [2], [4])
+        want = (f"process {bad} sent float32[4] but process 0 sent float32[3] for tensor 1 of collective 1 in "
+                f'group "{group}"')
+    events = run_job(daemon8.address, scripts, group)
     for ev in events:
         assert failed(ev[2], "InvalidArgumentError") == want
     for i in (1, 3):

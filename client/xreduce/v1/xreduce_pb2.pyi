@@ -129,10 +129,20 @@ class IndexedSlices(_message.Message):
     def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., dense_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DistributedValue(_message.Message):
-    __slots__ = ("components",)
+    __slots__ = ("components", "fused_parts")
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    FUSED_PARTS_FIELD_NUMBER: _ClassVar[int]
     components: _containers.RepeatedCompositeFieldContainer[Component]
-    def __init__(self, components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ...) -> None: ...
+    fused_parts: _containers.RepeatedCompositeFieldContainer[FusedPart]
+    def __init__(self, components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ..., fused_parts: _Optional[_Iterable[_Union[FusedPart, _Mapping]]] = ...) -> None: ...
+
+class FusedPart(_message.Message):
+    __slots__ = ("shape", "index")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    index: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("name", "short_name", "device_type", "index", "memory_bytes", "physical_device")
