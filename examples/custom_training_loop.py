@@ -31,6 +31,7 @@ import time
 
 import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
+from multiprocess_train import start_daemon  # the same daemon launcher
 from xreduce import distribution
 from xreduce.distribute import HierarchicalCopyAllReduce, MirroredStrategy, ReduceOp, get_replica_context
 
@@ -112,24 +113,6 @@ def reference(args: argparse.Namespace) -> None:
         print(f"step {step:3d}  loss {float(loss):.9g}", flush=True)
 
 
-def start_daemon(tmp: str, virtual_devices: int, timeout: float) -> tuple[subprocess.Popen, str]:
-    """Starts ``python -m xreduced`` on a unix socket; returns it and its address."""
-    log = os.path.join(tmp, "xreduced.log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "xreduced", "--listen", f"unix:{tmp}/xreduced.sock",
-                                 "--virtual-devices", str(virtual_devices)], stdout=subprocess.DEVNULL, stderr=f)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        with open(log) as f:
-            m = re.search(r"event=serving address=(\S+)", f.read())
-        if m:
-            return proc, m.group(1)
-        time.sleep(0.05)
-    proc.kill()
-    with open(log) as f:
-        raise RuntimeError(f"xreduced did not start within {timeout}s:\n{f.read()}")
-
-
 def run(command: list[str], env: dict[str, str], count: int, timeout: float) -> list[tuple[int | None, str]]:
     """Runs ``count`` copies of ``command`` (the i-th with ``--process-id i``), bounded by ``timeout``."""
     procs = [subprocess.Popen([*command, "--process-id", str(i)] if count > 1 else command, env=env, text=True,
@@ -157,7 +140,7 @@ def launch(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="xreduce-") as tmp:
         daemon = None
         if args.embedded:
-            daemon, env["XREDUCE_ADDRESS"] = start_daemon(tmp, args.virtual_devices, args.timeout)
+            daemon, env["XREDUCE_ADDRESS"], _ = start_daemon(tmp, args.virtual_devices, args.timeout)
             print(f"daemon: {env['XREDUCE_ADDRESS']} ({args.virtual_devices} devices)")
         try:
             workers = run([*me, "--worker", f"--processes={args.processes}"], env, args.processes, args.timeout)

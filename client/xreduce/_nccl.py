@@ -19,7 +19,7 @@ import grpc
 
 from xreduce._call import Algorithm
 from xreduce._errors import InvalidArgumentError
-from xreduce._ops import CommunicationOptions, CrossDeviceOps, ReduceOp, _is_integer
+from xreduce._ops import CommunicationOptions, CrossDeviceOps, ReduceOp, checked_num_packs
 from xreduce._options import ConnectionOptions
 from xreduce._values import DistributedValues
 from xreduce.v1 import xreduce_pb2 as pb
@@ -87,13 +87,8 @@ class NcclAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None,
                  transport: str | None = None, *, options: ConnectionOptions | None = None):
-        if not _is_integer(num_packs):
-            raise ValueError(f"num_packs must be an integer >= 0 (0: no packing); got {num_packs!r} of type "
-                             f"{type(num_packs).__name__}")
-        if num_packs < 0:
-            raise ValueError(f"NCCL all-reduce requires num_packs >= 0, but {num_packs} is specified")
+        self.num_packs = checked_num_packs(num_packs, "NCCL all-reduce")
         super().__init__(address, token, transport, options=options)
-        self.num_packs = int(num_packs)
 
     def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
                options: CommunicationOptions | None, single: bool) -> list[Any]:

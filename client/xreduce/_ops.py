@@ -132,6 +132,21 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def checked_num_packs(num_packs: Any, algorithm: str) -> int:
+    """``num_packs`` as an int, refused with TF's message for ``algorithm`` when it is negative.
+
+    Example:
+        >>> checked_num_packs(2, "HierarchicalCopy")
+        2
+    """
+    if not _is_integer(num_packs):
+        raise ValueError(f"num_packs must be an integer >= 0 (0: no packing); got {num_packs!r} of type "
+                         f"{type(num_packs).__name__}")
+    if num_packs < 0:
+        raise ValueError(f"{algorithm} requires num_packs >= 0, but {num_packs} is specified")
+    return int(num_packs)
+
+
 def validate_destinations(destinations: Any) -> None:
     """TF's destination checks, plus (beyond TF) a list or tuple of device strings.
 
@@ -457,13 +472,8 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1, address: str | None = None, token: str | None = None,
                  transport: str | None = None, *, options: ConnectionOptions | None = None):
-        if not _is_integer(num_packs):
-            raise ValueError(f"num_packs must be an integer >= 0 (0: no packing); got {num_packs!r} of type "
-                             f"{type(num_packs).__name__}")
-        if num_packs < 0:
-            raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
+        self.num_packs = checked_num_packs(num_packs, "HierarchicalCopy")
         super().__init__(address, token, transport, options=options)
-        self.num_packs = int(num_packs)
 
     def _algorithm(self) -> Algorithm:
         return Algorithm("hierarchical_copy", num_packs=self.num_packs)
