@@ -118,8 +118,10 @@ def describe_status(status, address: str) -> str:
     lim = status.limits
     lines = [
         f"xreduced {status.version} at {address}, up {human_seconds(status.uptime_seconds)}",
-        f"  backend   {status.backend}",
-        f"  security  {security}",
+        f"  backend     {status.backend}",
+        f"  security    {security}",
+        "  local lane  " + (f"{status.local_lane}, {status.local_lane_connections} connection(s), "
+                            f"{status.local_lane_calls} call(s)" if status.local_lane else "off"),
         "",
         f"devices ({len(status.devices)})",
     ]

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from xreduce import _runtime
+from xreduce import _lane, _runtime
 from xreduce._errors import InvalidArgumentError, Security, from_rpc_error, tls_hint
+from xreduce._lane import Lane
 from xreduce._options import ENV_TRANSPORT, ConnectionOptions, Pem, check_transport, merge
 from xreduce._segments import SHM_DIR, available
 from xreduce._session import Session
@@ -177,6 +178,7 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CrossDeviceOpsStub | None = None
         self._devices: pb.ListDevicesResponse | None = None
+        self._lane: Lane | None = None
 
     @property
     def options(self) -> ConnectionOptions:
@@ -225,6 +227,38 @@ class Client:
                                        f"shared memory: {shm.reason or shm.last_error}",
                                        grpc.StatusCode.FAILED_PRECONDITION)
         return None
+
+    def local_lane(self) -> Lane | None:
+        """This process's local lane to the daemon (:mod:`xreduce._lane`), when small calls should take it.
+
+        Not with the transport ``wire`` (gRPC only); otherwise when the daemon
+        shares this host and offers one, and ``XREDUCE_LOCAL_LANE`` is not off.
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     xreduce.Client().local_lane().address.startswith("unix:")
+            ...     xreduce.Client(transport="wire").local_lane() is None
+            True
+            True
+        """
+        if self.transport == "wire" or not _lane.enabled():
+            return None
+        lane = self._lane
+        if lane is not None and lane.usable():  # the session still lives: no lookup per call
+            return lane
+        shm = self.shared_memory()
+        lane = self._lane = None if shm is None else shm.lane()
+        return lane
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call of this client carries: the bearer token, if any.
+
+        Example:
+            >>> Client("127.0.0.1:1", token="s3cret").call_metadata()
+            (('authorization', 'Bearer s3cret'),)
+        """
+        return self._metadata()
 
     def _session_client(self) -> Client:
         """A client of the same daemon with the same credentials, for the shared session."""

@@ -42,7 +42,14 @@ from xreduce.wire import codec, cuda_ipc
 from xreduce.wire.layout import OUTPUT_ALIGNMENT
 
 
-def _is_cupy(value: Any) -> bool:
+def is_cupy(value: Any) -> bool:
+    """Whether ``value`` is a CuPy array (by its type's module: CuPy is not imported).
+
+    Example:
+        >>> import numpy as np
+        >>> is_cupy(np.zeros(2))
+        False
+    """
     return type(value).__module__.startswith("cupy")
 
 
@@ -65,7 +72,7 @@ def staging(shm, address: str, values: Sequence[Sequence[Any]]) -> DeviceStaging
         True
     """
     flat = [a for pair in values for a in pair]
-    if not flat or not all(_is_cupy(a) for a in flat):
+    if not flat or not all(is_cupy(a) for a in flat):
         return None
     import cupy  # already loaded: the values are CuPy arrays
 

@@ -55,6 +55,8 @@ class Session:
         """Why it does not, when it does not."""
         self.cuda_ipc: bool = first.cuda_ipc
         """Whether the daemon opens CUDA IPC handles."""
+        self.local_lane: str = first.local_lane
+        """The daemon's local lane for this session (:mod:`xreduce._lane`), or empty."""
         self.alive = threading.Event()
         self.alive.set()
         threading.Thread(target=self._watch, name="xreduce-session", daemon=True).start()

@@ -36,6 +36,7 @@ import numpy as np
 
 from xreduce._errors import XReduceError
 from xreduce._fusion import Fused
+from xreduce._lane import Lane
 from xreduce._segments import Releases, Segment, SegmentPool, SharedArrays
 from xreduce._session import Session
 from xreduce.v1 import xreduce_pb2 as pb
@@ -59,6 +60,13 @@ class SessionCalls(Protocol):
 
     def unregister_region(self, request: pb.UnregisterRegionRequest, *, session: str) -> object:
         """Releases a region of the session."""
+
+    @property
+    def address(self) -> str:
+        """The daemon's address."""
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries (the bearer token)."""
 
 
 class SharedMemory:
@@ -99,6 +107,20 @@ class SharedMemory:
         self._registering = threading.Lock()  # one RegisterRegion per name, whatever the threads
         self._staging = SegmentPool(self._drop, "xrs")
         self._outputs = SegmentPool(self._drop, "xro")
+        self._lane: Lane | None = None
+
+    def lane(self) -> Lane | None:
+        """The live session's local lane (:mod:`xreduce._lane`), or None: the daemon offers none, or a
+        connection to it could not be had (this session then uses gRPC)."""
+        session = self.session()
+        with self._lock:
+            lane = self._lane
+            if lane is None or lane.session_id != session.id:
+                if lane is not None:
+                    lane.close()
+                lane = self._lane = Lane(session.local_lane, session.id, self.client.call_metadata(),
+                                         self.client.address, session.alive) if session.local_lane else None
+        return lane if lane is not None and lane.usable() else None
 
     def session(self) -> Session:
         """The live session, opened (again) if needed."""
@@ -291,7 +313,10 @@ class SharedMemory:
         """Ends the session (the daemon releases every region) and unlinks this client's segments."""
         with self._lock:
             session, self._session = self._session, None
+            lane, self._lane = self._lane, None
             self._registered.clear()
+        if lane is not None:
+            lane.close()
         self._staging.close()
         self._outputs.close()
         if session is not None:

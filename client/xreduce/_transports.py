@@ -8,7 +8,8 @@ the call and regroups the reply into the caller's arrays:
 * :class:`SharedMemoryPath`: host arrays staged in (or already in) shared memory,
   results written by the daemon into an output segment;
 * :class:`StreamPath`: a large single-process batch over ``ReduceStream``, in chunks;
-* :class:`WirePath`: tensors as bytes in the ``Reduce``/``BatchReduce``/``Broadcast`` messages.
+* :class:`WirePath`: tensors as bytes in the ``Reduce``/``BatchReduce``/``Broadcast`` messages,
+  over gRPC or, for a small call on the daemon's host, its local lane (:mod:`xreduce._lane`).
 
 A new transport is a new class here with ``reduce`` (and ``broadcast`` if it
 carries one), and a line in :func:`choose`.
@@ -20,9 +21,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from google.protobuf import duration_pb2
 
-from xreduce import _fusion, _ipc, _sparse, _stall, _streaming
+from xreduce import _fusion, _ipc, _lane, _sparse, _stall, _streaming
 from xreduce._call import Algorithm, BroadcastCall, ReduceCall
 from xreduce._client import Client
 from xreduce._errors import XReduceError
@@ -63,7 +65,9 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
 
     Shared memory when the daemon shares this host (CUDA IPC for CuPy values it
     can open); with ``auto``, a call that finds no room in ``/dev/shm`` takes
-    the wire instead. On the wire, a single-process batch over
+    the wire instead, and a call of host values totalling at most
+    :data:`xreduce._lane.LANE_MAX_BYTES` takes the wire over the daemon's local
+    lane when it offers one. On the wire, a single-process batch over
     :data:`xreduce._streaming.STREAM_THRESHOLD_BYTES` streams. A call with sparse values
     (``IndexedSlices``) takes the wire whatever the transport.
 
@@ -81,6 +85,10 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
     """
     if isinstance(call, ReduceCall) and any(_sparse.is_sparse(p.value.values) for p in call.pairs):
         return WirePath(client)  # a sparse result's size is known only once reduced: no output region to stage
+    if client.transport == "auto" and _small(call):
+        lane = client.local_lane()
+        if lane is not None:
+            return WirePath(client, lane)
     sends_tensors = isinstance(call, ReduceCall) or call.tensor is not None
     shm = client.shared_memory() if sends_tensors else None
     if shm is None:
@@ -91,6 +99,22 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
         if ipc is not None:
             return CudaIpcPath(client, shm, fallback, ipc)
     return SharedMemoryPath(client, shm, fallback)
+
+
+def _small(call: ReduceCall | BroadcastCall) -> bool:
+    """Whether ``call`` carries host values of at most :data:`xreduce._lane.LANE_MAX_BYTES` in all, and knows
+    its result's size (a broadcast's receivers do not: they take gRPC)."""
+    if isinstance(call, BroadcastCall):
+        arrays = [call.tensor] if call.tensor is not None else []
+    else:
+        arrays = [a for p in call.pairs for a in p.value.values]
+    total = 0
+    for a in arrays:
+        if _ipc.is_cupy(a):
+            return False  # CuPy values have their own path (CUDA IPC)
+        nbytes = getattr(a, "nbytes", None)
+        total += np.asarray(a).nbytes if nbytes is None else nbytes
+    return bool(arrays) and total <= _lane.LANE_MAX_BYTES
 
 
 def _on_the_wire(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
@@ -150,15 +174,29 @@ def _deadline(call: ReduceCall) -> float | None:
 
 
 def _send(client: Client, call: ReduceCall, values: list[pb.DistributedValue], session: str | None = None,
-          **output: pb.RegionSlice) -> list[pb.DistributedValue]:
+          lane: _lane.Lane | None = None, **output: pb.RegionSlice) -> list[pb.DistributedValue]:
     """Sends ``Reduce`` (one pair from ``reduce``) or ``BatchReduce``; the result of each pair."""
     if call.single:
         (pair,) = call.pairs
         request = pb.ReduceRequest(value=values[0], destinations=pair.destinations, **output, **_fields(call))
-        return [client.reduce(request, _deadline(call), session=session).result]
+        return [_unary(client, lane, "Reduce", request, _deadline(call), session).result]
     request = pb.BatchReduceRequest(pairs=[pb.ReducePair(value=v, destinations=p.destinations)
                                            for v, p in zip(values, call.pairs)], **output, **_fields(call))
-    return [r.result for r in client.batch_reduce(request, _deadline(call), session=session).results]
+    return [r.result for r in _unary(client, lane, "BatchReduce", request, _deadline(call), session).results]
+
+
+_CALLS = {"Reduce": Client.reduce, "BatchReduce": Client.batch_reduce, "Broadcast": Client.broadcast}
+
+
+def _unary(client: Client, lane: _lane.Lane | None, method: str, request, deadline: float | None,
+           session: str | None = None):
+    """``method`` over the local lane when there is one (gRPC if it cannot be had), else over gRPC."""
+    if lane is not None:
+        try:
+            return lane.call(method, request, client.timeout if deadline is None else deadline)
+        except _lane.Refused:
+            pass  # nothing was sent; this session uses gRPC from now on
+    return _CALLS[method](client, request, deadline, session=session)
 
 
 def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = codec.decode) -> Any:
@@ -172,12 +210,21 @@ def _regroup(result: pb.DistributedValue, restore: Callable, decode: Callable = 
 
 
 class WirePath(Transport):
-    """Tensors as bytes in the request and reply messages."""
+    """Tensors as bytes in the request and reply messages, over gRPC or the daemon's local lane.
+
+    Args:
+        client: the caller's client.
+        lane: the local lane to send over, or None for gRPC.
+    """
+
+    def __init__(self, client: Client, lane: _lane.Lane | None = None):
+        super().__init__(client)
+        self.lane = lane
 
     def reduce(self, call: ReduceCall) -> list[Any]:
         values = [pb.DistributedValue(components=[_sparse.component(d, h) for d, h in zip(p.devices, p.value.hosts())])
                   for p in call.pairs]
-        results = _send(self._client, call, values)
+        results = _send(self._client, call, values, lane=self.lane)
         return [_regroup(r, p.value.hosts()[0].restore) for r, p in zip(results, call.pairs)]
 
     def broadcast(self, call: BroadcastCall) -> Any:
@@ -185,7 +232,7 @@ class WirePath(Transport):
                                       collective=call.collective)
         if call.tensor is not None:
             request.tensor.CopyFrom(codec.encode(call.tensor))
-        return _regroup(self._client.broadcast(request).result, call.restore)
+        return _regroup(_unary(self._client, self.lane, "Broadcast", request, None).result, call.restore)
 
 
 class StreamPath(Transport):
@@ -224,6 +271,11 @@ class _RegionsPath(Transport):
         """(what stages: ``stage``/``output``, the arrays to stage, each pair's first array, each pair's restore)."""
         raise NotImplementedError
 
+    def _lane(self, session: str) -> _lane.Lane | None:
+        """The session's local lane, which carries the request (it names regions: it is small), or None."""
+        lane = self._client.local_lane()
+        return lane if lane is not None and lane.session_id == session else None
+
     def _fuse(self, call: ReduceCall) -> tuple[ReduceCall, Callable[[list[Any]], list[Any]]]:
         """The call to send instead of ``call``, and what turns its results into ``call``'s (see
         :mod:`xreduce._fusion`); this path sends every pair as it is."""
@@ -250,7 +302,8 @@ class _RegionsPath(Transport):
             it = iter(tensors)
             values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices],
                                           fused_parts=_fusion.fused_parts(p.value)) for p in call.pairs]
-            results = _send(self._client, call, values, self._shm.session_id(), output=output)
+            session = self._shm.session_id()
+            results = _send(self._client, call, values, session, lane=self._lane(session), output=output)
         except BaseException:
             free(failed=True)  # no answer: the daemon may still use the staged inputs, and the output
             _abandon(result)
@@ -300,7 +353,8 @@ class SharedMemoryPath(_RegionsPath):
         request = pb.BroadcastRequest(destinations=call.destinations, source_device=call.source_device,
                                       collective=call.collective, tensor=staged, output=output)
         try:
-            reply = self._client.broadcast(request, session=self._shm.session_id())
+            session = self._shm.session_id()
+            reply = _unary(self._client, self._lane(session), "Broadcast", request, None, session)
         except BaseException:
             free(failed=True)  # no answer: the daemon may still use the staged input, and the output
             _abandon(result)

@@ -387,18 +387,22 @@ def reply_bytes(request, size: int) -> int:
         >>> reply_bytes(b, b.ByteSize())
         32
     """
-    fields = request.DESCRIPTOR.fields_by_name
-    if "output" in fields and request.HasField("output"):
-        return 0
-    mean = "reduce_op" in fields and request.reduce_op == pb.REDUCE_OP_MEAN
-    if "value" in fields:  # ReduceRequest
-        pairs = [(request.value, request.destinations)]
-    elif "pairs" in fields:  # BatchReduceRequest
+    kind = type(request)
+    if kind is pb.BatchReduceRequest:
+        if request.HasField("output"):
+            return 0
         pairs = [(p.value, p.destinations) for p in request.pairs]
-    elif "tensor" in fields and request.HasField("tensor"):  # BroadcastRequest
+    elif kind is pb.ReduceRequest:
+        if request.HasField("output"):
+            return 0
+        pairs = [(request.value, request.destinations)]
+    elif kind is pb.BroadcastRequest:
+        if request.HasField("output") or not request.HasField("tensor"):
+            return 0
         return _tensor_bytes(request.tensor, False, size) * len(request.destinations)
     else:
         return 0
+    mean = request.reduce_op == pb.REDUCE_OP_MEAN
     total = most = 0
     for value, destinations in pairs:
         if value.components:

@@ -61,6 +61,9 @@ class Config:
     node fails every collective of its group within twice this."""
     heartbeat_interval: float = 1.0
     """Seconds between a node daemon's heartbeats to the coordinator of each group it is in."""
+    local_lane: bool = True
+    """Whether processes on this host may send small collectives over the local lane (a unix socket beside
+    gRPC, :mod:`xreduced.lane`) instead of gRPC calls."""
 
 
 _FLAGS = {
@@ -91,6 +94,8 @@ _FLAGS = {
                      "within twice this; default 5"),
     "heartbeat_interval": (float, "groups across nodes: seconds between heartbeats to the coordinator; "
                            "default 1"),
+    "local_lane": ("bool", "true: processes on this host send small Reduce/BatchReduce/Broadcast calls over a "
+                   "unix socket beside gRPC (the local lane), served the same way; default true"),
 }
 
 

@@ -434,7 +434,10 @@ def encoding(values: Sequence[pb.DistributedValue]) -> str:
     """
     for v in values:
         for comp in v.components:
-            if codec.TYPED in (codec.encoding_of(comp.tensor), wire_sparse.encoding_of(comp.indexed_slices)):
+            if comp.HasField("indexed_slices"):
+                if wire_sparse.encoding_of(comp.indexed_slices) == codec.TYPED:
+                    return codec.TYPED
+            elif codec.encoding_of(comp.tensor) == codec.TYPED:
                 return codec.TYPED
     return codec.RAW
 

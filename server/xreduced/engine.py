@@ -13,7 +13,8 @@ batch as TF splits them and concatenated (:meth:`Engine.batch_reduce`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from xreduce.wire.contract import mean_dtype
@@ -481,7 +482,8 @@ class Engine:
         inputs = [[v.arrays[v.devices.index(d)] for v in values] for d in ref]
         templates = inputs[0]
         make = planner.nccl_all_reduce if algorithm == planner.NCCL else planner.hierarchical_copy
-        plan = make(ref, [a.size for a in templates], [a.dtype.itemsize for a in templates], num_packs)
+        plan = _planned(make, ref, tuple(a.size for a in templates), tuple(a.dtype.itemsize for a in templates),
+                        num_packs)
         results = execute(plan, self.backend, inputs, mean=mean, deadline=deadline, out=_per_tensor(outs))
         return [
             Result(ref, tuple(results[d][t] for d in ref), plan.algorithm)
@@ -495,6 +497,14 @@ class Engine:
         results = execute(plan, self.backend, [[x] for x in value.arrays], mean=mean, deadline=deadline,
                           out=_per_tensor([out]))
         return Result(dests, tuple(results[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
+
+
+@functools.lru_cache(maxsize=128)
+def _planned(make: Callable[..., planner.Plan], devices: tuple[int, ...], elements: tuple[int, ...],
+             itemsizes: tuple[int, ...], num_packs: int) -> planner.Plan:
+    """``make(devices, elements, itemsizes, num_packs)``, remembered: the planner is pure, and a training loop
+    reduces the same shapes step after step."""
+    return make(devices, elements, itemsizes, num_packs)
 
 
 def _sparse_route(value: Value, dests: Sequence[int]) -> str:

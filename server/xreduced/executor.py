@@ -23,6 +23,7 @@ go into fresh arrays or into the caller's ``out`` arrays.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
 import os
@@ -303,6 +304,29 @@ class _Program:
         self.results = [where[(plan.result, d)] for d in plan.destinations]
 
 
+_PROGRAMS: collections.OrderedDict[int, tuple[Plan, dict[int, _Program]]] = collections.OrderedDict()
+_PROGRAMS_LOCK = threading.Lock()
+_PROGRAMS_KEPT = 128
+
+
+def _programs(plan: Plan) -> dict[int, _Program]:
+    """Each pack's program, kept for the last plans run (plans are immutable, and the engine reuses them)."""
+    with _PROGRAMS_LOCK:
+        kept = _PROGRAMS.get(id(plan))
+        if kept is not None and kept[0] is plan:
+            _PROGRAMS.move_to_end(id(plan))
+            return kept[1]
+    steps_of: dict[int, list] = {}
+    for step in plan.steps:
+        steps_of.setdefault(step.pack, []).append(step)
+    programs = {pack.index: _Program(plan, steps_of.get(pack.index, [])) for pack in plan.packs if pack.elements}
+    with _PROGRAMS_LOCK:
+        _PROGRAMS[id(plan)] = (plan, programs)  # the plan is held: its id is not reused while kept
+        while len(_PROGRAMS) > _PROGRAMS_KEPT:
+            _PROGRAMS.popitem(last=False)
+    return programs
+
+
 def execute_fused(
     plan: Plan,
     inputs: Sequence[Sequence[np.ndarray]],
@@ -336,14 +360,12 @@ def execute_fused(
     sinks = {d: [a if a.flags.c_contiguous else np.empty(a.shape, a.dtype) for a in arrays]
              for d, arrays in targets.items()}
     flat_sinks = {d: [a.reshape(-1) for a in arrays] for d, arrays in sinks.items()}
-    steps_of: dict[int, list] = {}
-    for step in plan.steps:
-        steps_of.setdefault(step.pack, []).append(step)
+    programs = _programs(plan)
     units = []  # (pack, program, tensor, start, stop): one chunk of one segment
     for pack in plan.packs:
         if not pack.elements:
             continue
-        program = _Program(plan, steps_of.get(pack.index, []))
+        program = programs[pack.index]
         for s in pack.segments:
             chunk = max(1, chunk_bytes // templates[s.tensor].dtype.itemsize)
             units.extend((pack, program, s.tensor, a, min(a + chunk, s.stop)) for a in range(s.start, s.stop, chunk))

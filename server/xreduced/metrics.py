@@ -18,6 +18,8 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
   (:func:`xreduced.admission.working_set`);
 * ``xreduce_collectives_waiting`` (gauge);
 * ``xreduce_limit_rejections_total{limit}``: calls refused by each limit;
+* ``xreduce_local_lane_connections`` (gauge), ``xreduce_local_lane_calls_total``: the local lane
+  (:mod:`xreduced.lane`);
 * groups across nodes, per ``group``: ``xreduce_group_info{group,engine,state,coordinator}`` (1),
   ``xreduce_group_epoch``, ``xreduce_group_nodes``,
   ``xreduce_group_failed`` (1 once the epoch has lost a peer or a process), ``xreduce_group_lost_peers``,
@@ -41,6 +43,50 @@ REDUCTION_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025
 ALGBW_BUCKETS = (1e4, 1e5, 1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11, 2.5e11,
                  5e11, 1e12)
 """Bytes per second, 10 kB/s to 1 TB/s."""
+
+
+class _CallsCollector:
+    """The calls and bytes per method, read from :class:`Stats`' own counters when scraped (a call then
+    costs one dictionary update, not three Prometheus children)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict]]):
+        self._snapshot = snapshot
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        calls = CounterMetricFamily("xreduce_calls", "Finished calls per method and status code.",
+                                    labels=["method", "code"])
+        into = CounterMetricFamily("xreduce_bytes_in", "Serialized request bytes per method.", labels=["method"])
+        out = CounterMetricFamily("xreduce_bytes_out", "Serialized reply bytes per method.", labels=["method"])
+        for method, m in self._snapshot().items():  # in the order they first came, as Prometheus' own counters
+            for code, n in m["calls_by_code"].items():
+                calls.add_metric([method, code], float(n))
+            into.add_metric([method], float(m["bytes_in"]))
+            out.add_metric([method], float(m["bytes_out"]))
+        yield from (calls, into, out)
+
+
+class _LaneCollector:
+    """The local lane's connections and calls, read when scraped."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]):
+        self._counts = counts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        connections, calls = self._counts()
+        yield GaugeMetricFamily("xreduce_local_lane_connections", "Connections open on the local lane.",
+                                value=float(connections))
+        yield CounterMetricFamily("xreduce_local_lane_calls", "Calls served over the local lane.",
+                                  value=float(calls))
 
 
 class _GroupCollector:
@@ -102,14 +148,10 @@ class Stats:
         self.started = time.monotonic()
         self._methods: dict[str, dict] = collections.defaultdict(
             lambda: {"calls_by_code": collections.Counter(), "bytes_in": 0, "bytes_out": 0})
+        self._children: dict = {}
         self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._calls = prometheus_client.Counter(
-            "xreduce_calls", "Finished calls per method and status code.", ["method", "code"], registry=r)
-        self._bytes_in = prometheus_client.Counter(
-            "xreduce_bytes_in", "Serialized request bytes per method.", ["method"], registry=r)
-        self._bytes_out = prometheus_client.Counter(
-            "xreduce_bytes_out", "Serialized reply bytes per method.", ["method"], registry=r)
+        r.register(_CallsCollector(self.snapshot))
         self._seconds = prometheus_client.Histogram(
             "xreduce_reduction_seconds", "Seconds a successful Reduce, BatchReduce or Broadcast took to reduce.",
             ["method"], buckets=REDUCTION_SECONDS_BUCKETS, registry=r)
@@ -135,6 +177,17 @@ class Stats:
         """
         self.registry.register(_GroupCollector(groups))
 
+    def watch_lane(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Exports the local lane's (connections, calls) that ``counts()`` returns, when scraped.
+
+        Example:
+            >>> s = Stats()
+            >>> s.watch_lane(lambda: (2, 40))
+            >>> s.registry.get_sample_value("xreduce_local_lane_calls_total")
+            40.0
+        """
+        self.registry.register(_LaneCollector(counts))
+
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
         """Counts one finished call.
 
@@ -149,9 +202,6 @@ class Stats:
             m["calls_by_code"][code] += 1
             m["bytes_in"] += bytes_in
             m["bytes_out"] += bytes_out
-        self._calls.labels(method, code).inc()
-        self._bytes_in.labels(method).inc(bytes_in)
-        self._bytes_out.labels(method).inc(bytes_out)
 
     def observe_reduction(self, method: str, seconds: float, replica_bytes: int) -> None:
         """Counts one finished reduction of ``replica_bytes`` per replica.
@@ -162,9 +212,14 @@ class Stats:
             >>> s.registry.get_sample_value("xreduce_algbw_bytes_per_second_sum", {"method": "/x.Y/Reduce"})
             2000.0
         """
-        self._seconds.labels(method).observe(seconds)
+        with self._lock:
+            children = self._children.get(method)
+            if children is None:  # prometheus_client's labels() is slow: a method's children are looked up once
+                children = self._children[method] = (self._seconds.labels(method), self._algbw.labels(method))
+        timing, algbw = children
+        timing.observe(seconds)
         if seconds > 0 and replica_bytes > 0:
-            self._algbw.labels(method).observe(replica_bytes / seconds)
+            algbw.observe(replica_bytes / seconds)
 
     def rejected(self, limit: str) -> None:
         """Counts one call refused by ``limit`` (e.g. ``max_inflight_bytes``).

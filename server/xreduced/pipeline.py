@@ -319,7 +319,8 @@ class CallPipeline(grpc.ServerInterceptor):
         with self._idle:
             self._calls += 1
             call.refused_draining = self._draining and method.startswith(METHOD_PREFIX)
-        log.debug("event=handling method=%s peer=%s", call.name, context.peer())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("event=handling method=%s peer=%s", call.name, context.peer())
         if self.regions is not None and method.startswith(METHOD_PREFIX):
             call.regions = self.regions.for_call(session_of(context))
         return call

@@ -37,6 +37,8 @@ class RegionService:
 
     def __init__(self, regions: RegionTable):
         self.regions = regions
+        self.local_lane = ""
+        """The local lane's address, offered to sessions of callers on this host; empty: none."""
 
     def OpenSession(self, request: pb.OpenSessionRequest, context) -> Iterator[pb.OpenSessionResponse]:
         """Opens a session that lasts as long as the call: one reply, then the stream stays open.
@@ -52,7 +54,8 @@ class RegionService:
         session = self.regions.open_session()
         context.add_callback(lambda: self.regions.session_ended(session.id))
         peer = context.peer()
-        if not peer.startswith(_LOCAL_PEERS):  # RegisterRegion would refuse it: say so now, the SDK takes the wire
+        local = peer.startswith(_LOCAL_PEERS)
+        if not local:  # RegisterRegion would refuse it: say so now, the SDK takes the wire
             reason = f"regions are for callers on the daemon's host (a unix socket or loopback); this is {peer}"
         elif request.probe_shm_key:
             reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce))
@@ -61,7 +64,8 @@ class RegionService:
         log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], peer,
                  reason is None)
         yield pb.OpenSessionResponse(session_id=session.id, shared_memory=reason is None,
-                                     shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc)
+                                     shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc,
+                                     local_lane=self.local_lane if local else "")
         # The stream is the session: it stays open until the client leaves or the daemon stops.
         while context.is_active() and not session.closed.wait(1.0):
             pass

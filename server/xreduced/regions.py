@@ -244,6 +244,18 @@ class RegionTable:
             self._sessions[session.id] = session
         return session
 
+    def session(self, session_id: str) -> Session | None:
+        """The open session ``session_id``, or None.
+
+        Example:
+            >>> table = RegionTable()
+            >>> s = table.open_session()
+            >>> table.session(s.id) is s, table.session("nope")
+            (True, None)
+        """
+        with self._lock:
+            return self._sessions.get(session_id)
+
     def close_session(self, session_id: str) -> None:
         """Releases every region of the session (those in use, once their calls end)."""
         with self._lock:

@@ -20,13 +20,16 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+from xreduce.wire import lane as lane_frames
 from xreduce.wire.contract import SERVICE_NAME
 
 from xreduced import security
 from xreduced.backends import Backend
 from xreduced.config import Config
 from xreduced.engine import Engine
+from xreduced.lane import LocalLane, lane_address
 from xreduced.metrics import MetricsServer
 from xreduced.pipeline import CallPipeline
 from xreduced.service import CrossDeviceOpsService
@@ -72,6 +75,7 @@ class Daemon:
         self.backend = backend or make_backend(config)
         self.address: str | None = None
         self.metrics: MetricsServer | None = None
+        self.lane: LocalLane | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
         options = [
@@ -119,19 +123,41 @@ class Daemon:
         else:
             host = listen.rsplit(":", 1)[0]
             self.address = f"{host}:{port}"
-        if self.config.metrics_listen:
-            try:
+        try:
+            if self.config.local_lane:
+                self._start_lane()
+            if self.config.metrics_listen:
                 self.metrics = MetricsServer(self.config.metrics_listen, self.stats.registry)
-            except RuntimeError:
-                self.server.stop(None)
-                raise
-            log.info("event=metrics address=%s", self.metrics.address)
+                log.info("event=metrics address=%s", self.metrics.address)
+        except RuntimeError:
+            if self.lane is not None:
+                self.lane.close()
+            self.server.stop(None)
+            raise
         # SERVING before the first call can arrive: no health check sees NOT_FOUND.
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server.start()
         log.info("%s", self.serving_line())
         return self
+
+    def _start_lane(self) -> None:
+        """The local lane (:mod:`xreduced.lane`), its calls served through the same pipeline."""
+        requests = {"Reduce": (pb.ReduceRequest, self.service.Reduce),
+                    "BatchReduce": (pb.BatchReduceRequest, self.service.BatchReduce),
+                    "Broadcast": (pb.BroadcastRequest, self.service.Broadcast)}
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=message.FromString, response_serializer=lambda r: r.SerializeToString())
+            for name, (message, behavior) in requests.items()}
+        assert set(handlers) == set(lane_frames.METHODS)
+        self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, self.service.regions,
+                              max_connections=self.config.workers,
+                              protect=lambda path: security.protect_socket(path, self.config))
+        with security.private_files():  # a socket file is never more open than 0600, even for a moment
+            self.lane.start()
+        self.service.region_service.local_lane = self.lane.address
+        self.service.lane_counts = self.lane.counts
+        self.stats.watch_lane(self.lane.counts)
 
     def serving_line(self) -> str:
         """The ``event=serving`` log line: the bound address, the backend and the devices."""
@@ -155,6 +181,8 @@ class Daemon:
         if answered:
             time.sleep(max(0.0, min(FLUSH_SECONDS, deadline - time.monotonic())))
         log.debug("event=drained answered=%s", answered)
+        if self.lane is not None:
+            self.lane.close()
         # Calls still in flight at the end of the grace are cancelled.
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         self.service.regions.close_all()

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import time
+from collections.abc import Callable
 
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -80,6 +81,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.regions = regions or RegionTable(ipc_opener=backend.open_ipc if backend.cuda_ipc else None,
                                               max_sessions=max(1, self.config.workers // 2))
         self.region_service = RegionService(self.regions)
+        self.lane_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(connections, calls) of the local lane; the daemon sets it when it opens one."""
         self.peers = peers.Peers(self.config, [self.devices.name(i).short for i in range(len(self.devices))],
                                  backend_name)
         self.stats.watch_groups(self.peers.status)
@@ -109,6 +112,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             ('numpy', 2, 1024, False)
         """
         c = self.config
+        lane_connections, lane_calls = self.lane_counts()
         return pb.GetStatusResponse(
             version=VERSION,
             backend=self.backend_name,
@@ -130,6 +134,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             mutual_tls=c.tls_client_ca is not None,
             token_auth=c.auth_token_file is not None,
             groups=self.peers.status(),
+            local_lane=self.region_service.local_lane,
+            local_lane_connections=lane_connections,
+            local_lane_calls=lane_calls,
         )
 
     def _device_messages(self) -> list[pb.Device]:
@@ -272,7 +279,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 return {pid: assigned for pid in shares}
 
             assigned = self._meet(group, devices, deadline, context, join, remember_failure=False)
-        names = {pid: [self.devices.name(d).canonical for d in devs] for pid, devs in assigned.items()}
+        names = {pid: [self.devices.canonical(d) for d in devs] for pid, devs in assigned.items()}
         return pb.JoinGroupResponse(
             local_devices=names[group.process_id],
             global_devices=[n for pid in sorted(names) for n in names[pid]],
@@ -522,16 +529,16 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         engine wrote into an output region, components that name its slices."""
         if slots is None:
             return pb.DistributedValue(components=[
-                pb.Component(device=self.devices.name(d).canonical, indexed_slices=wire_sparse.encode(a, encoding))
+                pb.Component(device=self.devices.canonical(d), indexed_slices=wire_sparse.encode(a, encoding))
                 if isinstance(a, wire_sparse.Slices) else
-                pb.Component(device=self.devices.name(d).canonical,
+                pb.Component(device=self.devices.canonical(d),
                              tensor=codec.encode(self.engine.backend.to_host(a), encoding))
                 for d, a in zip(result.devices, result.arrays)
             ])
         components = []
         for d in result.devices:
             slot = slots[d]
-            components.append(pb.Component(device=self.devices.name(d).canonical, tensor=pb.Tensor(
+            components.append(pb.Component(device=self.devices.canonical(d), tensor=pb.Tensor(
                 dtype=codec.dtype_enum(slot.view.dtype), shape=slot.view.shape,
                 region=pb.RegionSlice(name=slot.region, offset=slot.offset, byte_size=slot.view.nbytes))))
         return pb.DistributedValue(components=components)

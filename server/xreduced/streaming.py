@@ -369,7 +369,7 @@ class _Stream:
             result_devices = fold if route in (planner.HIERARCHICAL_COPY, planner.NCCL) else (dests or own)
             out = reply.results.add(route=decode.ROUTES[route])
             for k, d in enumerate(result_devices):
-                comp = out.result.components.add(device=service.devices.name(d).canonical)
+                comp = out.result.components.add(device=service.devices.canonical(d))
                 comp.tensor.CopyFrom(pb.Tensor(dtype=codec.dtype_enum(out_dtype), shape=value.arrays[0].shape,
                                                streamed=True))
                 if k:

@@ -153,8 +153,9 @@ def test_xreduce_status_prints_devices_limits_and_counters(stub, daemon, capsys)
     stub.Reduce(reduce_request(), timeout=10)
     assert _cli.main(["status", "--address", daemon.address]) == 0
     out = capsys.readouterr().out
-    assert re.match(rf"xreduced \S+ at {re.escape(daemon.address)}, up [\d.]+s\n  backend   numpy\n"
-                    r"  security  plaintext, no token\n\ndevices \(4\)\n  CPU:0 ", out), out
+    assert re.match(rf"xreduced \S+ at {re.escape(daemon.address)}, up [\d.]+s\n  backend     numpy\n"
+                    r"  security    plaintext, no token\n  local lane  unix-abstract:xreduce-lane-\S+, \d+ "
+                    r"connection\(s\), \d+ call\(s\)\n\ndevices \(4\)\n  CPU:0 ", out), out
     for line in ("  max request bytes    1 GiB (1073741824)", "  max in-flight bytes  4 GiB (4294967296)",
                  "  max collectives      1024", "  collective timeout   60s", "  in-flight bytes      0 B (0)",
                  "  collectives waiting  0"):
@@ -199,7 +200,7 @@ def test_xreduce_status_sends_xreduce_token(tmp_path_factory, monkeypatch, capsy
         monkeypatch.setenv("XREDUCE_TOKEN", TOKEN)
         assert _cli.main(["status", "--timeout", "5"]) == 0
         out = capsys.readouterr().out
-        assert "  security  plaintext, bearer token\n" in out, out
+        assert "  security    plaintext, bearer token\n" in out, out
         assert "devices (2)" in out
     finally:
         d.terminate()

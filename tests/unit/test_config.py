@@ -35,6 +35,7 @@ SETTINGS = {
     "node_address": ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"),
     "peer_timeout": ("8", 8.0, "3.5", 3.5),
     "heartbeat_interval": ("0.5", 0.5, "0.25", 0.25),
+    "local_lane": ("false", False, "on", True),
 }
 DEFAULTS = {
     "listen": "127.0.0.1:50551",
@@ -59,6 +60,7 @@ DEFAULTS = {
     "node_address": None,
     "peer_timeout": 5.0,
     "heartbeat_interval": 1.0,
+    "local_lane": True,
 }
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}

@@ -404,7 +404,7 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls_by_code: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups")
+    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups", "local_lane", "local_lane_connections", "local_lane_calls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +417,9 @@ class GetStatusResponse(_message.Message):
     MUTUAL_TLS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AUTH_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LANE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LANE_CALLS_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
@@ -429,7 +432,10 @@ class GetStatusResponse(_message.Message):
     mutual_tls: bool
     token_auth: bool
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ...) -> None: ...
+    local_lane: str
+    local_lane_connections: int
+    local_lane_calls: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., local_lane: _Optional[str] = ..., local_lane_connections: _Optional[int] = ..., local_lane_calls: _Optional[int] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("node_index", "address", "process_ids", "reason")
@@ -482,16 +488,18 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, probe_shm_key: _Optional[str] = ..., probe_nonce: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "shared_memory", "shared_memory_error", "cuda_ipc")
+    __slots__ = ("session_id", "shared_memory", "shared_memory_error", "cuda_ipc", "local_lane")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_ERROR_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LANE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     shared_memory: bool
     shared_memory_error: str
     cuda_ipc: bool
-    def __init__(self, session_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., shared_memory_error: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    local_lane: str
+    def __init__(self, session_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., shared_memory_error: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., local_lane: _Optional[str] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("mem_handle", "device_id", "event_handle")

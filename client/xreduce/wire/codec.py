@@ -112,12 +112,10 @@ def encode(array: np.ndarray, encoding: str = RAW) -> pb.Tensor:
         ([1, 2], [2])
     """
     array = np.asarray(array)
-    out = pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape)
     if encoding == RAW:
-        out.raw_data = np.ascontiguousarray(array).astype(
-            array.dtype.newbyteorder("<"), copy=False
-        ).tobytes()
-        return out
+        return pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape,
+                         raw_data=np.ascontiguousarray(array).astype(_little(array.dtype), copy=False).tobytes())
+    out = pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape)
     kind = array.dtype.kind
     flat = array.reshape(-1)
     if kind == "c":
@@ -171,6 +169,12 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
     """
     dtype, shape = spec(tensor, field)
     count = math.prod(shape)
+    raw = tensor.raw_data
+    if not (tensor.float_values or tensor.int_values or tensor.uint_values):  # raw bytes (or none): the usual case
+        want = count * dtype.itemsize
+        if len(raw) != want:
+            raise CodecError(f"{field}.raw_data: {len(raw)} bytes for {dtype.name}{list(shape)}, expected {want}")
+        return _reshape(np.frombuffer(raw, _little(dtype)).astype(dtype, copy=False), shape, field)
     label = f"{dtype.name}{list(shape)}"
     present = [
         name
@@ -179,15 +183,18 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
     ]
     if len(present) > 1:
         raise CodecError(f"{field}: set exactly one of raw_data or typed values; got {', '.join(present)}")
-    if not present or present == ["raw_data"]:
-        want = count * dtype.itemsize
-        if len(tensor.raw_data) != want:
-            raise CodecError(
-                f"{field}.raw_data: {len(tensor.raw_data)} bytes for {label}, expected {want}"
-            )
-        flat = np.frombuffer(tensor.raw_data, dtype.newbyteorder("<")).astype(dtype, copy=False)
-        return _reshape(flat, shape, field)
     return _decode_typed(tensor, present[0], dtype, shape, field, label)
+
+
+_LITTLE: dict[np.dtype, np.dtype] = {}
+
+
+def _little(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in little-endian order (the wire's), remembered: ``newbyteorder`` is slow."""
+    found = _LITTLE.get(dtype)
+    if found is None:
+        found = _LITTLE[dtype] = dtype.newbyteorder("<")
+    return found
 
 
 def _reshape(flat: np.ndarray, shape: tuple[int, ...], field: str) -> np.ndarray:
