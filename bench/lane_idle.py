@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, default=4, help="SDK processes holding a lane connection")
     p.add_argument("--seconds", type=float, default=10.0, help="length of each idle measurement")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds left to the daemon after its start, and to the clients after their call")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xreduce-lane-idle-") as tmp:
         address = f"unix:{tmp}/d.sock"
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                     print("the daemon did not start", file=sys.stderr)
                     return 1
                 time.sleep(0.1)
-            time.sleep(2.0)  # its start-up (imports) is over
+            time.sleep(args.settle)  # its start-up (imports) is over
             before = cpu_seconds(daemon.pid)
             time.sleep(args.seconds)
             alone = cpu_seconds(daemon.pid) - before
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in clients:
                 assert c.stdout.readline().strip() == "ready"
             connections, calls = lane_counts(address)
-            time.sleep(1.0)
+            time.sleep(args.settle)
             before = cpu_seconds(daemon.pid)
             time.sleep(args.seconds)
             held = cpu_seconds(daemon.pid) - before

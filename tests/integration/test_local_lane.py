@@ -247,7 +247,7 @@ def test_the_idle_cost_benchmark_runs():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / "lane_idle.py"
-    out = subprocess.run([sys.executable, str(script), "--processes", "2", "--seconds", "0.5"],
+    out = subprocess.run([sys.executable, str(script), "--processes", "2", "--seconds", "0.2", "--settle", "0"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "2 processes holding 2 lane connection(s) after 2 lane call(s)" in out.stdout, out.stdout
