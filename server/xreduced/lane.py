@@ -124,9 +124,10 @@ class HangupWatch:
                     self._epoll.unregister(fd)
 
     def _run(self) -> None:
+        epoll = self._epoll  # close() clears the attribute; this thread keeps polling the object it closes
         while True:
             try:
-                events = self._epoll.poll()
+                events = epoll.poll()
             except InterruptedError:
                 continue
             except (OSError, ValueError):  # closed
@@ -140,7 +141,7 @@ class HangupWatch:
                         continue
                     callback = self._callbacks.pop(fd, None)
                     with contextlib.suppress(OSError):
-                        self._epoll.unregister(fd)
+                        epoll.unregister(fd)
                     if callback is not None:
                         fired.append(callback)
             for callback in fired:
