@@ -198,11 +198,22 @@ def from_rpc_error(error: grpc.RpcError, address: str, security: Security | None
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
-    cls = _BY_CODE.get(code, InternalError)
     if code == grpc.StatusCode.UNAVAILABLE and not _from_daemon(error):
         hint = tls_hint(details, security)
         details = (f"xreduce daemon at {address} is unavailable: {details}" if hint is None else
                    f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: {hint} (gRPC: {details})")
-    err = cls(details, code)
+    return answered(code, details)
+
+
+def answered(code: grpc.StatusCode, message: str) -> XReduceError:
+    """The SDK exception for status ``code`` with ``message`` from the daemon (``answered`` True), over
+    gRPC or the local lane.
+
+    Example:
+        >>> e = answered(grpc.StatusCode.NOT_FOUND, "no device 'CPU:9'")
+        >>> type(e).__name__, e.answered
+        ('NotFoundError', True)
+    """
+    err = _BY_CODE.get(code, InternalError)(message, code)
     err.answered = True
     return err

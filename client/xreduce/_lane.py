@@ -23,7 +23,7 @@ import threading
 
 import grpc
 
-from xreduce._errors import _BY_CODE, DeadlineExceededError, InternalError, UnavailableError, XReduceError
+from xreduce._errors import DeadlineExceededError, UnavailableError, answered
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import lane as frames
 
@@ -177,10 +177,8 @@ class Lane:
         code, _, payload = frames.read_reply(body)
         if code == 0:
             return _RESPONSES[method].FromString(payload)
-        status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-        error: XReduceError = _BY_CODE.get(status, InternalError)(payload.decode(errors="replace"), status)
-        error.answered = True  # the daemon answered: it failed the collective for the others where it must
-        raise error
+        # The daemon answered: it failed the collective for the others where it must.
+        raise answered(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
 
     def close(self) -> None:
         """Closes every connection; calls in flight keep theirs until they end."""
