@@ -120,7 +120,8 @@ run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
         return
     fi
     say "pytest -q -m gpu $file (timeout ${t}s)"
-    timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    # -o addopts: in this process, one test at a time on the one GPU (and no need for pytest-xdist)
+    timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts=-ra \
         --junitxml "$LOGS/junit_$name.xml" "$file" >"$LOGS/pytest_$name.log" 2>&1 || rc=$?
     # The summary (failures, skip reasons, counts) is at the end; keep the output bounded.
     tail -n 60 "$LOGS/pytest_$name.log"

@@ -6,6 +6,31 @@ import grpc
 import pytest
 from daemons import Daemons
 
+HOST_WIDE = frozenset({
+    "tests/integration/test_docs.py",  # its stand-in for the README's daemon listens on 127.0.0.1:50551
+    "tests/integration/test_containers.py",  # a Docker engine, and the compose files' host ports
+    "tests/integration/test_deploy_runs.py",  # the compose services' host ports
+    "tests/multinode/test_multinode_bench.py",  # network namespaces, shaped links: measured alone
+    "tests/multinode/test_netns_harness.py",  # sweeps leftover namespaces
+    "tests/multinode/test_seed_cluster.py",  # namespaces at the seed's addresses
+})
+"""Test modules that use something of the whole host (a fixed port, Docker, network namespaces): under
+pytest-xdist one worker runs them all, one after another."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` (pytest-xdist), a module's tests run on one worker, so its module fixtures start once,
+    and the :data:`HOST_WIDE` modules all run on one worker, one after another."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "host-wide" if module in HOST_WIDE else module
+
+    return ByModule(config, log)
+
 
 @pytest.fixture(scope="session")
 def daemon():
