@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import stat
 import time
@@ -252,6 +253,23 @@ def test_the_idle_cost_benchmark_runs():
     assert out.returncode == 0, out.stderr
     assert "2 processes holding 2 lane connection(s) after 2 lane call(s)" in out.stdout, out.stdout
 
+
+
+def test_the_cores_benchmark_runs():
+    """bench/lane_cores.py, briefly: a round of each kind, checked sums, the medians line (the figures are the
+    note's, not asserted here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores: it compares the daemon free and confined to one")
+    script = Path(__file__).resolve().parents[2] / "bench" / "lane_cores.py"
+    out = subprocess.run([sys.executable, str(script), "--rounds", "1", "--iters", "50"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "free (every core)" in out.stdout and "confined to core" in out.stdout, out.stdout
+    assert re.search(r"one core / free: time [\d.]+, daemon CPU [\d.]+$", out.stdout.strip()), out.stdout
 
 FORK_SCRIPT = r"""
 import os, sys, numpy as np
