@@ -3,8 +3,8 @@
 A 4-byte all-reduce costs little to compute and much to carry: through gRPC's
 Python server each call crosses several threads. The lane carries the same
 request and response messages (framed by :mod:`xreduce.wire.lane`) over a unix
-socket, one call at a time per connection, each connection served by its own
-thread that sleeps in ``recv`` between calls: no polling, no CPU while idle.
+socket, one call at a time per connection, all connections served by one
+thread asleep in ``epoll``: no polling, no CPU while idle.
 
 Every call still goes through the daemon's :class:`~xreduced.pipeline.CallPipeline`
 (token gate, size limit, admission, matching, reduction, metrics, the call
@@ -17,18 +17,28 @@ The lane is at ``PATH.lane`` beside a daemon's unix socket (same permissions),
 or at an abstract socket name for a daemon on TCP; ``OpenSession`` tells
 callers on this host where (``OpenSessionResponse.local_lane``).
 
-A caller whose connection ends while its call waits for the other processes
-of a collective leaves the collective at once, as a cancelled gRPC call does
-(:class:`HangupWatch`).
+Why one thread: a small collective's work is all Python, and Python that
+moves between cores costs more CPU than Python that stays (the interpreter's
+state follows it). With a thread per connection, each woken where its caller
+runs, the processes of one all-reduce had the daemon's Python on every core.
+Now a call that joins a collective before the others arrive leaves a
+:class:`~xreduced.deferred.Deferred` with the rendezvous and the thread serves
+the next connection; the arrival that completes the collective reduces and
+sends every waiting caller its reply. Calls that may block long (naming
+shared-memory regions, across nodes, broadcasts) run on worker threads
+(:meth:`LocalLane._serve`). A caller whose connection ends while its call
+waits leaves the collective at once, as a cancelled gRPC call does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -40,6 +50,7 @@ import grpc
 from xreduce.wire import lane as frames
 from xreduce.wire.contract import SESSION_METADATA, method_path
 
+from xreduced.deferred import Deferred
 from xreduced.errors import PermissionDenied
 from xreduced.pipeline import CallPipeline
 from xreduced.regions import RegionTable
@@ -50,6 +61,13 @@ MAX_PATH_BYTES = 107
 """The longest path a unix socket address holds (``sun_path`` less its terminator)."""
 HELLO_TIMEOUT_SECONDS = 5.0
 """How long a new connection has to send its hello."""
+SEND_TIMEOUT_SECONDS = 10.0
+"""How long a reply may wait for room in its socket (its caller reads it at once) before the connection is
+given up."""
+RECV_BYTES = 1 << 16
+"""Bytes asked of one ``recv`` by the lane's thread."""
+INLINE_MAX_BYTES = 1 << 20
+"""The largest request the lane's thread serves itself; larger ones go to a worker."""
 
 
 def lane_address(listen: str) -> str:
@@ -77,100 +95,10 @@ class LaneAbort(Exception):
         self.message = message
 
 
-class HangupWatch:
-    """Runs a callback when a connection's peer hangs up, from one thread asleep in ``epoll``.
-
-    Each lane connection is watched from its hello until it closes: a call that
-    waits in a collective learns at once that its caller left (what gRPC's
-    ``add_callback`` is for), and no call pays to be watched.
-
-    Example:
-        >>> watch = HangupWatch()
-        >>> a, b = socket.socketpair()
-        >>> gone = threading.Event()
-        >>> watch.watch(a.fileno(), gone.set)
-        >>> b.close(); gone.wait(5)
-        True
-        >>> watch.close()
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._callbacks: dict[int, Callable[[], None]] = {}
-        self._epoll: select.epoll | None = None
-        self._wake_r, self._wake_w = -1, -1
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def watch(self, fd: int, callback: Callable[[], None]) -> None:
-        """Calls ``callback`` once if ``fd``'s peer hangs up before :meth:`unwatch`."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._epoll is None:
-                self._epoll = select.epoll()
-                self._wake_r, self._wake_w = os.pipe()
-                self._epoll.register(self._wake_r, select.EPOLLIN)
-                self._thread = threading.Thread(target=self._run, name="xreduced-lane-watch", daemon=True)
-                self._thread.start()
-            self._callbacks[fd] = callback
-            self._epoll.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
-
-    def unwatch(self, fd: int) -> None:
-        """Stops watching ``fd`` (nothing if it is not watched, or its callback ran)."""
-        with self._lock:
-            if self._callbacks.pop(fd, None) is not None and self._epoll is not None:
-                with contextlib.suppress(OSError):
-                    self._epoll.unregister(fd)
-
-    def _run(self) -> None:
-        epoll = self._epoll  # close() clears the attribute; this thread keeps polling the object it closes
-        while True:
-            try:
-                events = epoll.poll()
-            except InterruptedError:
-                continue
-            except (OSError, ValueError):  # closed
-                return
-            fired = []
-            with self._lock:
-                if self._closed:
-                    return
-                for fd, _ in events:
-                    if fd == self._wake_r:
-                        continue
-                    callback = self._callbacks.pop(fd, None)
-                    with contextlib.suppress(OSError):
-                        epoll.unregister(fd)
-                    if callback is not None:
-                        fired.append(callback)
-            for callback in fired:
-                try:
-                    callback()
-                except Exception:  # a bug in a callback must not stop the watch
-                    log.exception("event=lane_hangup_callback_failed")
-
-    def close(self) -> None:
-        """Stops the thread; callbacks not yet run never run."""
-        with self._lock:
-            self._closed = True
-            self._callbacks.clear()
-            epoll, self._epoll = self._epoll, None
-        if epoll is None:
-            return
-        os.write(self._wake_w, b"x")
-        if self._thread is not None:
-            self._thread.join(5)
-        epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-
 class LaneConnection:
     """One connection's state that outlives its calls: whether its caller has hung up, and the call it is in.
 
-    Watched by the :class:`HangupWatch` from its hello until it closes, so that a call pays nothing to be
-    told its caller left.
+    The lane's thread sees the caller hang up (the socket reads empty) and tells the call at once.
 
     Example:
         >>> connection = LaneConnection()
@@ -178,9 +106,32 @@ class LaneConnection:
         True
     """
 
-    def __init__(self):
+    def __init__(self, sock: socket.socket | None = None):
         self.gone = False
         self.context: LaneContext | None = None
+        self._sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, data: bytes) -> bool:
+        """Sends a reply frame (from whichever thread answers the call); False if the connection has
+        gone."""
+        with self._send_lock:
+            if self._sock is None:
+                return False
+            try:
+                self._sock.sendall(data)
+            except OSError:  # gone, or not reading (a timeout): a partial frame, so end the connection
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                return False
+            return True
+
+    def close(self) -> None:
+        """Closes the socket (never in the middle of another thread's :meth:`send`)."""
+        with self._send_lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def hung_up(self) -> None:
         """The caller's end closed: the call it is in (if any) learns it now."""
@@ -199,8 +150,9 @@ class LaneContext:
         ('unix:lane pid=7', True, True)
     """
 
+
     def __init__(self, peer: str, metadata: tuple[tuple[str, str], ...], timeout: float | None,
-                 connection: LaneConnection):
+                 connection: LaneConnection, defers: bool = False):
         self._peer = peer
         self._metadata = metadata
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -208,6 +160,9 @@ class LaneContext:
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.answered = False
+        self.defers = defers
+        """Whether the call may wait in a collective without its thread (:mod:`xreduced.deferred`): the
+        lane's own thread serves it."""
 
     def peer(self) -> str:
         """``unix:lane pid=N``: a local caller (what the region checks look for)."""
@@ -259,7 +214,17 @@ class LaneContext:
 
 
 class LocalLane:
-    """The lane's socket, its connections (a thread each) and their calls, served through ``pipeline``.
+    """The lane's socket and its connections, served through ``pipeline`` by one thread.
+
+    One thread (``xreduced-lane``) waits in ``epoll`` on every connection and
+    serves what arrives: a small call with its tensors in the message, in a
+    group on this node, runs right there (:meth:`_inline`); a call that waits
+    in a collective leaves a :class:`~xreduced.deferred.Deferred` and the thread
+    goes on; the arrival that completes the collective answers every waiting
+    caller. Any other call (one naming shared-memory regions, whose reduction
+    may be long; a group across nodes; a broadcast) runs on a worker thread,
+    blocking there as a gRPC call would. A connection that ends is seen by the
+    same thread: its call, if one waits, leaves its collective at once.
 
     Args:
         address: ``unix:PATH`` or ``unix-abstract:NAME`` (:func:`lane_address`).
@@ -288,11 +253,19 @@ class LocalLane:
         self._max_connections = max_connections
         self._protect = protect
         self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, _Connection | None] = {}
+        """Every connection open (None until its hello is through)."""
         self._listener: socket.socket | None = None
         self._closed = False
         self._calls = 0
-        self.watch = HangupWatch()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._greeted: list[_Connection] = []
+        self._workers = concurrent.futures.ThreadPoolExecutor(max(max_connections, 1),
+                                                              thread_name_prefix="xreduced-lane-call")
+        self._loop_thread: threading.Thread | None = None
 
     def start(self) -> LocalLane:
         """Binds and starts accepting.
@@ -313,7 +286,9 @@ class LocalLane:
             listener.close()
             raise RuntimeError(f"local lane: cannot listen on {self.address!r}: {e.strerror or e}") from None
         self._listener = listener
-        threading.Thread(target=self._accept, name="xreduced-lane", daemon=True).start()
+        threading.Thread(target=self._accept, name="xreduced-lane-accept", daemon=True).start()
+        self._loop_thread = threading.Thread(target=self._loop, name="xreduced-lane", daemon=True)
+        self._loop_thread.start()
         log.info("event=lane address=%s", self.address)
         return self
 
@@ -334,12 +309,21 @@ class LocalLane:
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self.watch.close()
+        self._wake()
+        if self._loop_thread is not None:
+            self._loop_thread.join(5)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     def counts(self) -> tuple[int, int]:
         """(connections open now, calls served since the start)."""
         with self._lock:
             return len(self._connections), self._calls
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the loop is awake already
+            os.write(self._wake_w, b"x")
+
+    # --- connections ---------------------------------------------------------------------------------------
 
     def _accept(self) -> None:
         while True:
@@ -356,7 +340,7 @@ class LocalLane:
             with self._lock:
                 refused = self._closed or len(self._connections) >= self._max_connections
                 if not refused:
-                    self._connections.add(conn)
+                    self._connections[conn] = None
             if refused:
                 with contextlib.suppress(OSError):
                     conn.sendall(frames.reply(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], True, (
@@ -364,37 +348,31 @@ class LocalLane:
                         "this caller uses gRPC").encode()))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="xreduced-lane-conn", daemon=True).start()
+            # The hello may take a while to come: a thread of its own, then the loop serves the connection.
+            threading.Thread(target=self._greet, args=(conn,), name="xreduced-lane-hello", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _greet(self, conn: socket.socket) -> None:
         peer = _peer(conn)
-        watched = False
+        reader = frames.FrameReader(conn)
         try:
-            reader = frames.FrameReader(conn)
             handlers, metadata = self._hello(conn, reader, peer)
-            if handlers is None:
-                return
-            log.debug("event=lane_open peer=%s", peer)
-            connection = LaneConnection()
-            self.watch.watch(conn.fileno(), connection.hung_up)
-            watched = True
-            while True:
-                body = reader.read()
-                if body is None:
-                    break
-                reply = self._call(connection, peer, metadata, handlers, body)
-                with self._lock:
-                    self._calls += 1
-                conn.sendall(reply)
-        except (OSError, frames.FrameError) as e:  # the caller left mid-frame, or sent garbage: drop it
+        except (OSError, frames.FrameError) as e:
             log.debug("event=lane_dropped peer=%s reason=%r", peer, str(e))
-        finally:
-            if watched:
-                self.watch.unwatch(conn.fileno())  # before the descriptor can be reused
-            with self._lock:
-                self._connections.discard(conn)
+            handlers = metadata = None
+        with self._lock:
+            keep = handlers is not None and not self._closed
+            if keep:
+                conn.settimeout(SEND_TIMEOUT_SECONDS)  # the loop reads only what has arrived; replies wait this long
+                connection = _Connection(conn, peer, metadata, handlers, reader.leftover)
+                self._connections[conn] = connection
+                self._greeted.append(connection)
+            else:
+                self._connections.pop(conn, None)
+        if keep:
+            log.debug("event=lane_open peer=%s", peer)
+            self._wake()
+        else:
             conn.close()
-            log.debug("event=lane_close peer=%s", peer)
 
     def _hello(self, conn: socket.socket, reader: frames.FrameReader, peer: str):
         """The connection's wrapped handlers and metadata, or (None, None) after refusing it."""
@@ -412,7 +390,6 @@ class LocalLane:
             log.info("event=lane_refused peer=%s reason=%r", peer, str(e))
             conn.sendall(frames.reply(code.value[0], True, str(e).encode()))
             return None, None
-        conn.settimeout(None)  # between calls a connection sleeps in recv: no wake-ups while idle
         metadata = tuple(m for m in metadata if m[0] != SESSION_METADATA) + ((SESSION_METADATA, session),)
         handlers = {}
         for name, handler in self._handlers.items():
@@ -421,29 +398,187 @@ class LocalLane:
         conn.sendall(frames.reply(0, False, b""))
         return handlers, metadata
 
-    def _call(self, connection: LaneConnection, peer: str, metadata, handlers, body: bytes) -> bytes:
-        """One call through the pipeline; its reply frame."""
+    def _drop(self, connection: _Connection, reason: str = "") -> None:
+        """Ends a connection: its waiting call (if any) leaves its collective; then the socket closes."""
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(connection.sock)
+        connection.hung_up()
+        with self._lock:
+            self._connections.pop(connection.sock, None)
+        connection.close()
+        log.debug("event=lane_close peer=%s%s", connection.peer, f" reason={reason!r}" if reason else "")
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        waiting: dict[_Connection, Deferred] = {}  # the calls served here that wait in a collective
+        while not self._closed:
+            try:
+                self._turn(waiting)
+            except OSError:  # the selector, closed under it
+                if self._closed:
+                    break
+                log.exception("event=lane_internal_error")
+                time.sleep(0.05)
+            except Exception:  # a bug: the lane goes on serving
+                log.exception("event=lane_internal_error")
+                time.sleep(0.05)
+        for connection in [c for c in list(self._connections.values()) if c is not None]:
+            self._drop(connection, "the lane closed")
+        with contextlib.suppress(OSError):
+            self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _turn(self, waiting: dict[_Connection, Deferred]) -> None:
+        """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due."""
+        wake = min((d.wake_at() for d in waiting.values()), default=math.inf)
+        timeout = None if wake == math.inf else min(max(wake - time.monotonic(), 0.0), 3600.0)
+        for key, _ in self._selector.select(timeout):
+            if key.data is None:
+                self._take_greeted()
+                continue
+            connection: _Connection = key.data
+            try:
+                data = connection.sock.recv(RECV_BYTES)
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                continue
+            except OSError as e:
+                self._drop(connection, str(e))
+                continue
+            if not data:
+                self._drop(connection)
+                continue
+            connection.buffer.push(data)
+            try:
+                self._serve(connection)
+            except frames.FrameError as e:  # garbage, or a call while its call is in progress: not a lane client
+                self._drop(connection, str(e))
+                continue
+            except Exception:  # a bug: this connection ends, the lane goes on serving the others
+                log.exception("event=lane_internal_error peer=%s", connection.peer)
+                self._drop(connection, "internal error")
+                continue
+            deferred = connection.waiting
+            if deferred is not None:
+                waiting[connection] = deferred
+        now = time.monotonic()
+        for connection, deferred in list(waiting.items()):
+            if deferred.done:
+                del waiting[connection]
+            elif deferred.wake_at() <= now:
+                try:
+                    deferred.wake(now)
+                except Exception:  # a bug: the lane goes on serving
+                    log.exception("event=lane_internal_error peer=%s", connection.peer)
+
+    def _take_greeted(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self._wake_r, 4096)
+        with self._lock:
+            greeted, self._greeted = self._greeted, []
+        for connection in greeted:
+            try:
+                self._selector.register(connection.sock, selectors.EVENT_READ, connection)
+            except (OSError, ValueError, KeyError) as e:  # closed meanwhile
+                self._drop(connection, str(e))
+                continue
+            if len(connection.buffer):
+                try:
+                    self._serve(connection)
+                except frames.FrameError as e:
+                    self._drop(connection, str(e))
+
+    def _serve(self, connection: _Connection) -> None:
+        """Serves the calls whose frames have all arrived (a caller sends one at a time)."""
+        while (body := connection.buffer.pop()) is not None:
+            if connection.busy:
+                raise frames.FrameError("a call came while this connection's call is in progress; one at a time")
+            try:
+                method, timeout, request = frames.read_request(body)
+            except frames.FrameError as e:
+                connection.send(frames.reply(grpc.StatusCode.INVALID_ARGUMENT.value[0], True, str(e).encode()))
+                continue
+            handler = connection.handlers.get(method)
+            if handler is None:
+                connection.send(frames.reply(grpc.StatusCode.UNIMPLEMENTED.value[0], True,
+                                             f"local lane: {method} is not served here".encode()))
+                continue
+            incoming = handler.request_deserializer(request)
+            connection.busy = True
+            if _inline(method, incoming):
+                self._call(connection, method, handler, incoming, timeout, defers=True)
+            elif not self._closed:
+                self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False)
+
+    def _call(self, connection: _Connection, method: str, handler, incoming, timeout: float,
+              defers: bool) -> None:
+        """One call through the pipeline; its reply is sent now, or by whoever resolves its deferred."""
+        context = connection.context = LaneContext(connection.peer, connection.metadata, timeout, connection,
+                                                   defers=defers)
         try:
-            method, timeout, request = frames.read_request(body)
-        except frames.FrameError as e:
-            return frames.reply(grpc.StatusCode.INVALID_ARGUMENT.value[0], True, str(e).encode())
-        handler = handlers.get(method)
-        if handler is None:
-            return frames.reply(grpc.StatusCode.UNIMPLEMENTED.value[0], True,
-                                f"local lane: {method} is not served here".encode())
-        context = connection.context = LaneContext(peer, metadata, timeout, connection)
-        try:
-            data = handler.unary_unary(handler.request_deserializer(request), context)
-            return frames.reply(0, False, data)
-        except LaneAbort as e:
-            return frames.reply(e.code.value[0], context.answered, e.message.encode())
-        except Exception:  # the pipeline answers every error; this is a bug in the lane itself
-            log.exception("event=lane_internal_error peer=%s method=%s", peer, method)
-            return frames.reply(grpc.StatusCode.INTERNAL.value[0], True,
-                                f"internal error in {method}; see the daemon's log".encode())
-        finally:
-            connection.context = None
-            context.end()
+            data = handler.unary_unary(incoming, context)
+        except Exception as e:
+            self._answer(connection, context, method, None, e)
+        else:
+            if isinstance(data, Deferred):
+                connection.waiting = data
+                data.on_done(lambda value, error: self._answer(connection, context, method, value, error))
+            else:
+                self._answer(connection, context, method, data, None)
+
+    def _answer(self, connection: _Connection, context: LaneContext, method: str, data: bytes | None,
+                error: BaseException | None) -> None:
+        """Sends a call's reply (from the thread that has it); the caller may have gone."""
+        frame = frames.reply(0, False, data) if error is None else _reply_frame(error, context, connection.peer,
+                                                                                  method)
+        connection.context = None
+        connection.waiting = None
+        context.end()
+        with self._lock:
+            self._calls += 1
+        connection.busy = False  # before the reply goes: its caller's next call may follow at once
+        connection.send(frame)
+
+
+class _Connection(LaneConnection):
+    """A greeted connection as the loop serves it: its socket, its caller, what has arrived, its call."""
+
+    def __init__(self, sock: socket.socket, peer: str, metadata, handlers, leftover: bytes):
+        super().__init__(sock)
+        self.sock = sock
+        self.peer = peer
+        self.metadata = metadata
+        self.handlers = handlers
+        self.buffer = frames.FrameBuffer(leftover)
+        self.busy = False
+        """A call of this connection is in progress (its caller sends the next after the reply)."""
+        self.waiting: Deferred | None = None
+        """The call that waits in a collective, deferred."""
+
+
+def _inline(method: str, incoming) -> bool:
+    """Whether the lane's thread serves this call itself: a reduction whose tensors are in the message, with
+    no output region, in a group on this node (epoch 0). Others may block long: a worker serves them."""
+    message = getattr(incoming, "message", None)
+    if (method not in ("Reduce", "BatchReduce") or message is None or incoming.size > INLINE_MAX_BYTES
+            or message.HasField("output")):
+        return False
+    if message.HasField("collective") and message.collective.epoch:
+        return False
+    values = [message.value] if method == "Reduce" else [p.value for p in message.pairs]
+    return not any(c.tensor.HasField("region") for v in values for c in v.components)
+
+
+def _reply_frame(error: BaseException, context: LaneContext, peer: str, method: str) -> bytes:
+    """The reply frame of a call that ended with ``error``: its status, or INTERNAL for a lane bug."""
+    if isinstance(error, LaneAbort):
+        return frames.reply(error.code.value[0], context.answered, error.message.encode())
+    # The pipeline answers every error; this is a bug in the lane itself.
+    log.error("event=lane_internal_error peer=%s method=%s", peer, method, exc_info=error)
+    return frames.reply(grpc.StatusCode.INTERNAL.value[0], True,
+                        f"internal error in {method}; see the daemon's log".encode())
 
 
 def _peer(conn: socket.socket) -> str:

@@ -49,6 +49,7 @@ from xreduce.wire import codec
 from xreduce.wire.contract import ANSWERED_METADATA, METHOD_PREFIX
 
 from xreduced.admission import Admission, LimitExceeded
+from xreduced.deferred import Deferred
 from xreduced.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from xreduced.memory import TRIM_BYTES, trim_malloc
 from xreduced.metrics import Stats
@@ -266,21 +267,46 @@ class CallPipeline(grpc.ServerInterceptor):
         return deserialize
 
     def _unary(self, method, metadata, streams, inner, serialize, request, context):
-        """A call with one reply: the handler's reply, serialized."""
+        """A call with one reply: the handler's reply, serialized. A handler that answers later (a
+        :class:`~xreduced.deferred.Deferred`, for a local-lane call waiting in a collective) gets a deferred
+        of the serialized reply, or of the error as :meth:`_answer` raises it; the call ends when it
+        resolves."""
         call = self._begin(method, context)
+        deferred = None
         try:
             with self._current(call):
                 argument = self._admit(call, metadata, streams, request)
                 reply = inner(argument, context)
-            if isinstance(request, _Incoming):
-                request.message = None  # the parsed request is not needed while the reply is serialized
             del argument
-            if context.code() not in (None, grpc.StatusCode.OK):  # set_code() and returned, without raising
-                call.code = _code_name(context)
-            data = serialize(reply)
-            del reply
-            call.bytes_out = len(data) if isinstance(data, bytes) else 0
-            return data
+            if isinstance(reply, Deferred):
+                deferred = reply.settle(lambda value, error: self._settle(call, context, request, serialize,
+                                                                          value, error))
+                return deferred
+            return self._serialized(call, context, request, serialize, reply)
+        except Exception as e:
+            self._answer(call, context, e)
+        finally:
+            if deferred is None:
+                if isinstance(request, _Incoming):
+                    request.message = None
+                self._end(call)
+
+    def _serialized(self, call: Call, context, request, serialize, reply) -> bytes:
+        if isinstance(request, _Incoming):
+            request.message = None  # the parsed request is not needed while the reply is serialized
+        if context.code() not in (None, grpc.StatusCode.OK):  # set_code() and returned, without raising
+            call.code = _code_name(context)
+        data = serialize(reply)
+        del reply
+        call.bytes_out = len(data) if isinstance(data, bytes) else 0
+        return data
+
+    def _settle(self, call: Call, context, request, serialize, reply, error: BaseException | None) -> bytes:
+        """A deferred call's end, in the thread that resolved it: its reply serialized, or its error answered."""
+        try:
+            if error is not None:
+                raise error
+            return self._serialized(call, context, request, serialize, reply)
         except Exception as e:
             self._answer(call, context, e)
         finally:

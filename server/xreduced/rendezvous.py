@@ -8,6 +8,12 @@ timeout, a disagreement, a participant leaving) fails for everyone; late
 arrivals to it get the same error for a while (a bounded, expiring record),
 and the group's next collective starts afresh.
 
+A participant may also arrive without waiting (``defer``, the local lane's
+calls): it leaves a :class:`~xreduced.deferred.Deferred` that the last arrival
+resolves with its share after computing, or the failure with the error, in
+that thread; its own deadline comes when its thread calls the deferred's
+``wake`` (see :mod:`xreduced.deferred`).
+
 A collective that waits long says so in the log, without a thread of its own:
 its waiting participants wake when a report is due (``report_after`` seconds
 after the first arrival, then at gaps that double up to 30 s: at 10, 30, 60,
@@ -28,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from xreduced.deferred import Deferred
 from xreduced.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, ServiceError
 
 log = logging.getLogger("xreduced.rendezvous")
@@ -58,6 +65,11 @@ def missing_ids(num_processes: int, arrived) -> list[int]:
             if len(out) > 10:
                 break
     return out
+
+
+def _unfinished(c: _Collective, timeout: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"{c.label}: every process arrived but the reduction did not finish within "
+                            f"{max(timeout, 1.0):.3g}s more")
 
 
 def _ids(ids: list[int]) -> str:
@@ -92,6 +104,8 @@ class _Collective:
     report_gap: float = 0.0
     expected: frozenset[int] | None = None
     """Who meets here, when not every process of the group."""
+    deferred: dict[int, Deferred] = dataclasses.field(default_factory=dict)
+    """The participants that wait without a thread, by process id."""
 
     @property
     def count(self) -> int:
@@ -104,11 +118,16 @@ class _Collective:
             return missing_ids(self.num_processes, self.arrived)
         return sorted(self.expected - set(self.arrived))[:11]
 
-    def raise_error(self) -> None:
-        """Raises a fresh copy of the error: one exception object raised in several
-        threads would keep every thread's frames (and their tensors) alive."""
+    def fresh_error(self) -> ServiceError:
+        """A copy of the error: one exception object raised in several threads would keep every
+        thread's frames (and their tensors) alive."""
         error = type(self.error)(str(self.error))
         error.process_ids = getattr(self.error, "process_ids", ())
+        return error
+
+    def raise_error(self) -> None:
+        """Raises a fresh copy of the error."""
+        error = self.fresh_error()
         try:
             raise error
         finally:
@@ -172,6 +191,7 @@ class Rendezvous:
         remember_failure: bool = True,
         expected: frozenset[int] | None = None,
         abandoned: Callable[[], ServiceError | None] | None = None,
+        defer: Deferred | None = None,
     ) -> Any:
         """Contributes and waits (at most ``timeout`` s); returns this process's share.
 
@@ -192,79 +212,137 @@ class Rendezvous:
             abandoned: asked while waiting (every ``ABANDON_POLL`` s): an error
                 that ends the collective for everyone (the group's epoch failed),
                 or None.
+            defer: when given, a participant that is not the last does not wait:
+                ``defer`` is returned at once, and resolved later with this
+                process's share or the error (see the module). Not with ``abandoned``.
 
         Raises:
             InvalidArgument: participants disagree, or ``compute`` says so.
             DeadlineExceeded: not everyone arrived in time; names who is missing.
             Aborted: a participant's call ended before the collective completed.
         """
-        with self._lock:
-            now = time.monotonic()
-            self._expire(now)
-            if key in self._failed:
-                _, kind, message = self._failed[key]
-                raise kind(message)
-            c = self._open.get(key)
-            if c is None:
-                c = self._open[key] = _Collective(label, num_processes, opened=now, expected=expected)
-                if self._report_after > 0:
-                    c.report_at = now + self._report_after
-                    c.report_gap = _next_gap(self._report_after, self._report_after)
-            if num_processes != c.num_processes:
-                first = min(c.arrived)
-                self._fail(key, c, InvalidArgument(
-                    f"process {process_id} says num_processes={num_processes} but process {first} said "
-                    f"num_processes={c.num_processes} for {label}"), remember_failure)
-                c.raise_error()
-            if c.expected is not None and process_id not in c.expected:
-                raise InvalidArgument(
-                    f"process {process_id} is not one of this node's processes {sorted(c.expected)} for {label}; "
-                    "each process must call its own node's daemon (the one it joined the group through)")
-            if process_id in c.arrived:
-                self._fail(key, c, InvalidArgument(
-                    f"process {process_id} contributed twice to {label}; each process_id must be used by "
-                    "one process: if two jobs share this daemon, give each job its own "
-                    "XREDUCE_GROUP"), remember_failure)
-                c.raise_error()
-            c.arrived[process_id] = contribution
-            last = len(c.arrived) == c.count
-            if last:
-                c.complete = True
-                del self._open[key]
+        failed: _Collective | None = None
+        try:
+            with self._lock:
+                now = time.monotonic()
+                self._expire(now)
+                if key in self._failed:
+                    _, kind, message = self._failed[key]
+                    raise kind(message)
+                c = self._open.get(key)
+                if c is None:
+                    c = self._open[key] = _Collective(label, num_processes, opened=now, expected=expected)
+                    if self._report_after > 0:
+                        c.report_at = now + self._report_after
+                        c.report_gap = _next_gap(self._report_after, self._report_after)
+                if num_processes != c.num_processes:
+                    first = min(c.arrived)
+                    failed = c
+                    self._fail(key, c, InvalidArgument(
+                        f"process {process_id} says num_processes={num_processes} but process {first} said "
+                        f"num_processes={c.num_processes} for {label}"), remember_failure)
+                    c.raise_error()
+                if c.expected is not None and process_id not in c.expected:
+                    raise InvalidArgument(
+                        f"process {process_id} is not one of this node's processes {sorted(c.expected)} for "
+                        f"{label}; each process must call its own node's daemon (the one it joined the group "
+                        "through)")
+                if process_id in c.arrived:
+                    failed = c
+                    self._fail(key, c, InvalidArgument(
+                        f"process {process_id} contributed twice to {label}; each process_id must be used by "
+                        "one process: if two jobs share this daemon, give each job its own "
+                        "XREDUCE_GROUP"), remember_failure)
+                    c.raise_error()
+                c.arrived[process_id] = contribution
+                last = len(c.arrived) == c.count
+                if last:
+                    c.complete = True
+                    del self._open[key]
+                elif defer is not None:
+                    c.deferred[process_id] = defer
+        finally:
+            if failed is not None:
+                self._flush(failed)  # the participants waiting without a thread learn it too
         if last:
             try:
                 results = compute(dict(c.arrived))
             except ServiceError as e:
                 with self._lock:
                     self._fail(key, c, e, remember_failure)
+                self._flush(c)
                 raise
             except Exception as e:  # a bug: the waiters must not wait for nothing
                 with self._lock:
                     self._fail(key, c, Internal(f"{label} failed in the daemon ({type(e).__name__}); see its log"),
                                remember_failure)
+                self._flush(c)
                 raise
             c.results = results
             c.arrived.clear()
             c.done.set()
+            self._flush(c)
             return results[process_id]
         if on_leave is not None:
             leave = lambda: self._leave(key, c, process_id, remember_failure)  # noqa: E731
             if on_leave(leave) is False:  # gRPC: the call had already ended
                 leave()
+        if defer is not None:
+            self._hook(defer, key, c, timeout, remember_failure)
+            return defer
         if not self._wait(key, c, timeout, abandoned):
-            with self._lock:
-                if not c.done.is_set() and not c.complete:
-                    error = DeadlineExceeded(f"{label} timed out after {timeout:.3g}s waiting for process(es) "
-                                             f"{_ids(c.missing())}; arrived: {_ids(sorted(c.arrived))}")
-                    error.process_ids = tuple(c.missing())
-                    self._fail(key, c, error, remember_failure)
+            self._time_out(key, c, timeout, remember_failure)
             # Everyone arrived and the last arrival is computing: its deadline bounds the work.
             if c.complete and not c.done.wait(max(timeout, 1.0)):
-                raise DeadlineExceeded(f"{label}: every process arrived but the reduction did not finish "
-                                       f"within {max(timeout, 1.0):.3g}s more")
+                raise _unfinished(c, timeout)
         if c.error is not None:
             c.raise_error()
         return c.results[process_id]
+
+    def _time_out(self, key, c: _Collective, timeout: float, remember: bool) -> None:
+        """A participant's wait ended at its deadline: the collective fails, naming who is missing (unless
+        everyone has arrived meanwhile)."""
+        with self._lock:
+            if not c.done.is_set() and not c.complete:
+                error = DeadlineExceeded(f"{c.label} timed out after {timeout:.3g}s waiting for process(es) "
+                                         f"{_ids(c.missing())}; arrived: {_ids(sorted(c.arrived))}")
+                error.process_ids = tuple(c.missing())
+                self._fail(key, c, error, remember)
+        self._flush(c)
+
+    def _hook(self, defer: Deferred, key, c: _Collective, timeout: float, remember: bool) -> None:
+        """What ``defer``'s waiting thread is told: wake at the next report or the deadline; at the deadline,
+        the collective times out, and once everyone has arrived, the reduction gets ``max(timeout, 1)`` s more."""
+        end = time.monotonic() + timeout
+        finish = end + max(timeout, 1.0)
+
+        def wake_at() -> float:
+            return finish if c.complete else min(end, c.report_at)
+
+        def wake(now: float) -> None:
+            if c.complete:
+                if now >= finish and not c.done.is_set():
+                    defer.resolve(error=_unfinished(c, timeout))
+            elif now >= end:
+                self._time_out(key, c, timeout, remember)
+            else:
+                self._report(key, c, now)
+
+        defer.wake_at_hook, defer.wake_hook = wake_at, wake
+        if c.done.is_set():  # it ended before the hooks were set: nobody else resolves it
+            self._flush(c)
+
+    def _flush(self, c: _Collective) -> None:
+        """Once ``c`` is done: resolves its deferred participants with their shares or the error, here."""
+        if not c.done.is_set():
+            return
+        with self._lock:
+            waiting, c.deferred = c.deferred, {}
+        for pid, defer in waiting.items():
+            if c.error is not None:
+                defer.resolve(error=c.fresh_error())
+            else:
+                defer.resolve(c.results[pid])
 
     def _wait(self, key: tuple[str, str], c: _Collective, timeout: float,
               abandoned: Callable[[], ServiceError | None] | None = None) -> bool:
@@ -282,6 +360,7 @@ class Rendezvous:
                 with self._lock:
                     if not c.complete:
                         self._fail(key, c, error, True)
+                self._flush(c)
                 if c.done.is_set():
                     return True
             if now >= end:
@@ -318,6 +397,7 @@ class Rendezvous:
             c = self._open.get(key) or _Collective(label, num_processes)
             self._open.setdefault(key, c)
             self._fail(key, c, error, True)
+        self._flush(c)
 
     def _leave(self, key, c: _Collective, process_id: int, remember: bool) -> None:
         with self._lock:
@@ -326,6 +406,7 @@ class Rendezvous:
                                 "died) before every process arrived")
                 error.process_ids = (process_id,)
                 self._fail(key, c, error, remember)
+        self._flush(c)
 
     def _fail(self, key, c: _Collective, error: ServiceError, remember: bool) -> None:
         """With the lock held: fail ``c`` for everyone and forget its contributions."""

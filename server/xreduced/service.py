@@ -29,6 +29,7 @@ from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
 from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, reduce_together
 from xreduced.config import Config
+from xreduced.deferred import Deferred, then
 from xreduced.devices import DeviceTable
 from xreduced.engine import Engine, Result, Value, check_destinations, is_sparse, result_dtype
 from xreduced.errors import Aborted, InvalidArgument, NotFound, ServiceError
@@ -165,9 +166,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             array([2., 2.], dtype=float32)
         """
         encoding = decode.encoding([request.value])
-        (result,), (slots,) = self._reduce("Reduce", request, context, [(request.value, request.destinations)],
-                                           ["value"], ["destinations"])
-        return pb.ReduceResponse(result=self._encode(result, encoding, slots), route=decode.ROUTES[result.route])
+
+        def reply(reduced):
+            (result,), (slots,) = reduced
+            return pb.ReduceResponse(result=self._encode(result, encoding, slots), route=decode.ROUTES[result.route])
+
+        return then(self._reduce("Reduce", request, context, [(request.value, request.destinations)], ["value"],
+                                 ["destinations"]), reply)
 
     def BatchReduce(self, request, context):
         """Reduces each pair's value onto its destinations, in one call.
@@ -186,14 +191,18 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """
         encoding = decode.encoding([p.value for p in request.pairs])
         n = len(request.pairs)
-        results, slots = self._reduce(
+
+        def reply(reduced):
+            results, slots = reduced
+            return pb.BatchReduceResponse(results=[
+                pb.ReduceResult(result=self._encode(r, encoding, s), route=decode.ROUTES[r.route])
+                for r, s in zip(results, slots)
+            ])
+
+        return then(self._reduce(
             "BatchReduce", request, context, [(p.value, p.destinations) for p in request.pairs],
             [f"pairs[{i}].value" for i in range(n)], [f"pairs[{i}].destinations" for i in range(n)],
-        )
-        return pb.BatchReduceResponse(results=[
-            pb.ReduceResult(result=self._encode(r, encoding, s), route=decode.ROUTES[r.route])
-            for r, s in zip(results, slots)
-        ])
+        ), reply)
 
     def Broadcast(self, request, context):
         """Copies the tensor to every destination (from the source process, in a collective).
@@ -410,7 +419,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 self._fail_for_others(group, error)
 
     def _reduce(self, kind, request, context, raw_pairs, value_fields, dest_fields
-                ) -> tuple[list[Result], list[dict[int, decode.Slot] | None]]:
+                ) -> tuple[list[Result], list[dict[int, decode.Slot] | None]] | Deferred:
+        """(results, slots) of a reduction; a :class:`~xreduced.deferred.Deferred` of them for a lane call
+        that waits for the other processes of its collective."""
         group = decode.group(request)
         regions = _regions()
         with self._failing(group):
@@ -451,8 +462,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             def reduce(shares):
                 return reduce_together(self.engine, shares, group.label, deadline)
         result = self._meet(group, share, deadline, context,
-                            lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster)
-        return result, slots
+                            lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster,
+                            deferrable=True)
+        return then(result, lambda r: (r, slots))
 
     def _cluster(self, group: decode.Group | None) -> ClusterGroup | None:
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""
@@ -471,20 +483,30 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return cluster
 
     def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,
-              cluster: ClusterGroup | None = None):
+              cluster: ClusterGroup | None = None, deferrable: bool = False):
+        """This process's share of the collective; with ``deferrable``, for a caller that can wait without a
+        thread (a local-lane call: ``context.defers``) in a group on this node, a
+        :class:`~xreduced.deferred.Deferred` of it when the others have not all arrived."""
+        across_nodes = cluster is not None and cluster.spans_nodes
+        defer = Deferred() if deferrable and getattr(context, "defers", False) and not across_nodes else None
         try:
             self.admission.collectives.enter(group.key, group.label)
         except LimitExceeded as e:
             if remember_failure:  # the others fail at once instead of waiting for this process
                 self._fail_for_others(group, e)
             raise
+        waits = False
         try:
-            return self.rendezvous.run(
+            out = self.rendezvous.run(
                 group.key, group.label, group.num_processes, group.process_id, share,
                 max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
                 expected=cluster.local if cluster is not None else None,
-                abandoned=cluster.abandoned if cluster is not None and cluster.spans_nodes else None,
+                abandoned=cluster.abandoned if across_nodes else None, defer=defer,
             )
+            if defer is not None and out is defer:
+                waits = True
+                defer.on_done(lambda *_: self.admission.collectives.leave(group.key))
+            return out
         except ServiceError as e:
             if cluster is not None and cluster.spans_nodes and not cluster.entered(group.sequence):
                 # The other nodes would wait for this one in the engine: end the epoch for everyone.
@@ -492,7 +514,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                              process_ids=list(getattr(e, "process_ids", ())))
             raise
         finally:
-            self.admission.collectives.leave(group.key)
+            if not waits:
+                self.admission.collectives.leave(group.key)
 
     def _fail_for_others(self, group: decode.Group, error: Exception) -> None:
         self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(

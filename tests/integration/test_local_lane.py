@@ -206,6 +206,29 @@ def test_a_process_whose_lane_connection_ends_mid_collective_leaves_it_at_once(s
         assert b"process 0 left (its call ended or its process died) before every process arrived" in message
 
 
+def test_a_lane_call_waiting_in_a_collective_ends_at_its_deadline_naming_who_is_missing(start_daemon):
+    """The call waits without a thread of its own: the lane's thread wakes at its deadline and answers it."""
+    daemon = start_daemon("--listen", "127.0.0.1:0", "--collective-timeout", "60", *DEVICES)
+    request = pb.BatchReduceRequest(
+        reduce_op=pb.REDUCE_OP_SUM,
+        pairs=[pb.ReducePair(value=pb.DistributedValue(components=[pb.Component(
+            device="CPU:0", tensor=codec.encode(np.float32([1])))]))],
+        collective=pb.CollectiveSpec(group="lane-deadline", num_processes=2, process_id=0, sequence=1))
+    with session(daemon.address) as (first, _):
+        sock, _ = connect(first.local_lane, first.session_id)
+        other, _ = connect(first.local_lane, first.session_id)
+        start = time.monotonic()
+        code, answered, message = call(sock, "BatchReduce", request, timeout=1.0)
+        took = time.monotonic() - start
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and answered, message
+        assert b"waiting for process(es) [1]; arrived: [0]" in message, message
+        assert took < 30, took  # bounded by the call's 1 s, not the daemon's 60 s
+        # Meanwhile and after, the lane's one thread serves other connections.
+        code, _, _ = call(other, "BatchReduce", pb.BatchReduceRequest(
+            reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(value=value(np.float32([1]), np.float32([2])))]))
+        assert code == 0
+
+
 def test_the_sdk_goes_on_after_its_daemon_restarts(start_daemon, tmp_path):
     address = f"unix:{tmp_path}/d.sock"
     daemon = start_daemon("--listen", address, *DEVICES)

@@ -1,4 +1,4 @@
-"""The local lane's frames (xreduce.wire.lane) and the daemon's hang-up watch, on real socket pairs."""
+"""The local lane's frames (xreduce.wire.lane) and the daemon's connection state, on real socket pairs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 from xreduce.wire import lane as frames
-from xreduced.lane import HangupWatch, LaneConnection, LaneContext, lane_address
+from xreduced.lane import LaneConnection, LaneContext, lane_address
 
 
 def test_a_hello_carries_the_session_and_the_metadata():
@@ -107,53 +107,43 @@ def test_addresses():
     assert lane_address("0.0.0.0:50551") != lane_address("0.0.0.0:50551")  # a fresh name per daemon
 
 
-@pytest.fixture
-def watch():
-    """A hang-up watch, closed after the test."""
-    w = HangupWatch()
-    yield w
-    w.close()
+def test_a_frame_buffer_gives_whole_frames_as_their_bytes_arrive_in_any_pieces():
+    data = frames.frame(b"one") + frames.frame(b"") + frames.frame(b"three" * 1000)
+    for cut in (1, 3, 4, 5, 7, 50, len(data)):
+        buffer, got = frames.FrameBuffer(), []
+        for start in range(0, len(data), cut):
+            buffer.push(data[start:start + cut])
+            while (body := buffer.pop()) is not None:
+                got.append(body)
+        assert got == [b"one", b"", b"three" * 1000] and len(buffer) == 0, cut
 
 
-def test_the_hangup_watch_runs_a_callback_once_and_not_after_unwatch(watch):
-    a, b = socket.socketpair()
-    c, d = socket.socketpair()
-    gone, kept = threading.Event(), threading.Event()
-    calls = []
-    watch.watch(a.fileno(), lambda: (calls.append("a"), gone.set()))
-    watch.watch(c.fileno(), kept.set)
-    watch.unwatch(c.fileno())
-    d.close()
-    b.close()
-    assert gone.wait(5)
-    assert not kept.wait(0.2)
-    assert calls == ["a"]
-    watch.unwatch(a.fileno())  # after its callback ran: nothing
+def test_a_frame_buffer_refuses_a_length_over_the_limit():
+    buffer = frames.FrameBuffer(struct.pack("<I", frames.MAX_FRAME_BYTES + 1))
+    with pytest.raises(frames.FrameError, match="over the 2147483647-byte limit"):
+        buffer.pop()
 
 
-def test_a_watched_connection_tells_its_call_when_the_caller_hangs_up_and_refuses_callbacks_after(watch):
-    a, b = socket.socketpair()
+def test_a_connection_tells_its_call_when_the_caller_hangs_up_and_refuses_callbacks_after():
     connection = LaneConnection()
-    watch.watch(a.fileno(), connection.hung_up)
     context = connection.context = LaneContext("unix:lane pid=1", (), None, connection)
     left = threading.Event()
     assert context.add_callback(left.set) is True
     assert context.time_remaining() is None and context.is_active()
-    b.close()
-    assert left.wait(5)
+    connection.hung_up()
+    assert left.is_set()
     assert not context.is_active()
     assert context.add_callback(lambda: None) is False  # as gRPC: the call has already ended
     context.end()
-
-
-def test_a_hang_up_between_calls_reaches_no_call_and_the_next_call_sees_it(watch):
-    a, b = socket.socketpair()
-    connection = LaneConnection()
-    gone = threading.Event()
-    watch.watch(a.fileno(), lambda: (connection.hung_up(), gone.set()))
-    b.close()
-    assert gone.wait(5)
     assert LaneContext("unix:lane", (), 1.0, connection).add_callback(lambda: None) is False
+
+
+def test_a_connection_sends_until_it_is_closed():
+    a, b = socket.socketpair()
+    connection = LaneConnection(a)
+    assert connection.send(b"hi") is True and b.recv(2) == b"hi"
+    connection.close()
+    assert connection.send(b"late") is False
 
 
 def test_a_lane_context_runs_its_callbacks_when_the_call_ends():

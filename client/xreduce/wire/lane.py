@@ -152,6 +152,56 @@ def read_reply(body: bytes) -> tuple[int, bool, bytes]:
     return code, bool(answered), body[_REPLY.size:]
 
 
+class FrameBuffer:
+    """Frames out of bytes as they arrive, in pieces (a reader that never blocks: the daemon's lane loop).
+
+    Example:
+        >>> buffer = FrameBuffer()
+        >>> data = frame(b"hi") + frame(b"there")
+        >>> buffer.push(data[:5]); buffer.pop() is None
+        True
+        >>> buffer.push(data[5:]); buffer.pop(), buffer.pop(), buffer.pop(), len(buffer)
+        (b'hi', b'there', None, 0)
+    """
+
+    def __init__(self, data: bytes = b""):
+        self._data = bytearray(data)
+        self._start = 0
+
+    def __len__(self) -> int:
+        """Bytes held that no :meth:`pop` has returned yet."""
+        return len(self._data) - self._start
+
+    def push(self, data: bytes) -> None:
+        """Adds bytes received."""
+        if self._start and self._start == len(self._data):
+            self._data.clear()
+            self._start = 0
+        self._data += data
+
+    def pop(self) -> bytes | None:
+        """The next whole frame's body, or None until it has all arrived.
+
+        Raises:
+            FrameError: a length over :data:`MAX_FRAME_BYTES`.
+        """
+        have = len(self._data) - self._start
+        if have < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack_from(self._data, self._start)
+        if length > MAX_FRAME_BYTES:
+            raise FrameError(f"lane frame: {length} bytes, over the {MAX_FRAME_BYTES}-byte limit")
+        if have < _LENGTH.size + length:
+            return None
+        begin = self._start + _LENGTH.size
+        body = bytes(self._data[begin:begin + length])
+        self._start = begin + length
+        if self._start == len(self._data):
+            self._data.clear()
+            self._start = 0
+        return body
+
+
 class FrameReader:
     """Reads one frame after another from a stream socket, keeping bytes that came with the last frame.
 
@@ -173,6 +223,11 @@ class FrameReader:
         self._sock = sock
         self._chunk = chunk
         self._buffer = b""
+
+    @property
+    def leftover(self) -> bytes:
+        """Bytes received after the last frame read (the start of the next one)."""
+        return self._buffer
 
     def read(self) -> bytes | None:
         """The next frame's body; None when the peer closed the connection between frames.
