@@ -150,7 +150,6 @@ class LaneContext:
         ('unix:lane pid=7', True, True)
     """
 
-
     def __init__(self, peer: str, metadata: tuple[tuple[str, str], ...], timeout: float | None,
                  connection: LaneConnection, defers: bool = False):
         self._peer = peer
@@ -437,7 +436,7 @@ class LocalLane:
         timeout = None if wake == math.inf else min(max(wake - time.monotonic(), 0.0), 3600.0)
         for key, _ in self._selector.select(timeout):
             if key.data is None:
-                self._take_greeted()
+                self._take_greeted(waiting)
                 continue
             connection: _Connection = key.data
             try:
@@ -451,18 +450,7 @@ class LocalLane:
                 self._drop(connection)
                 continue
             connection.buffer.push(data)
-            try:
-                self._serve(connection)
-            except frames.FrameError as e:  # garbage, or a call while its call is in progress: not a lane client
-                self._drop(connection, str(e))
-                continue
-            except Exception:  # a bug: this connection ends, the lane goes on serving the others
-                log.exception("event=lane_internal_error peer=%s", connection.peer)
-                self._drop(connection, "internal error")
-                continue
-            deferred = connection.waiting
-            if deferred is not None:
-                waiting[connection] = deferred
+            self._serve_or_drop(connection, waiting)
         now = time.monotonic()
         for connection, deferred in list(waiting.items()):
             if deferred.done:
@@ -473,7 +461,7 @@ class LocalLane:
                 except Exception:  # a bug: the lane goes on serving
                     log.exception("event=lane_internal_error peer=%s", connection.peer)
 
-    def _take_greeted(self) -> None:
+    def _take_greeted(self, waiting: dict[_Connection, Deferred]) -> None:
         with contextlib.suppress(OSError):
             os.read(self._wake_r, 4096)
         with self._lock:
@@ -485,10 +473,23 @@ class LocalLane:
                 self._drop(connection, str(e))
                 continue
             if len(connection.buffer):
-                try:
-                    self._serve(connection)
-                except frames.FrameError as e:
-                    self._drop(connection, str(e))
+                self._serve_or_drop(connection, waiting)
+
+    def _serve_or_drop(self, connection: _Connection, waiting: dict[_Connection, Deferred]) -> None:
+        """:meth:`_serve`, noting a call left waiting; a connection that breaks the protocol (or meets a bug)
+        is dropped, and the lane goes on serving the others."""
+        try:
+            self._serve(connection)
+        except frames.FrameError as e:  # garbage, or a call while its call is in progress: not a lane client
+            self._drop(connection, str(e))
+            return
+        except Exception:  # a bug
+            log.exception("event=lane_internal_error peer=%s", connection.peer)
+            self._drop(connection, "internal error")
+            return
+        deferred = connection.waiting
+        if deferred is not None:
+            waiting[connection] = deferred
 
     def _serve(self, connection: _Connection) -> None:
         """Serves the calls whose frames have all arrived (a caller sends one at a time)."""

@@ -508,7 +508,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 defer.on_done(lambda *_: self.admission.collectives.leave(group.key))
             return out
         except ServiceError as e:
-            if cluster is not None and cluster.spans_nodes and not cluster.entered(group.sequence):
+            if across_nodes and not cluster.entered(group.sequence):
                 # The other nodes would wait for this one in the engine: end the epoch for everyone.
                 cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True,
                              process_ids=list(getattr(e, "process_ids", ())))
