@@ -6,18 +6,22 @@
 #   4. pytest -q -m gpu tests/gpu/test_cuda_ipc.py (at most 90 s), then tests/gpu/test_sdk_cuda_ipc.py (150 s)
 #      (conftest imports the stubs only for the fixtures that use them, so a grpcio/protobuf
 #      too old for the stubs fails only the tests that use the stubs),
-#   5. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
+#   5. pytest -q -m gpu tests/gpu/test_nodes_nccl.py (at most 150 s): two daemons on the one GPU as two
+#      nodes, their node sums on NCCL (engine gloo+nccl), then one daemon SIGKILLed mid-collective;
+#      needs torch too (Gloo carries the rest: the cluster extra, or the dev extra's pinned torch),
+#   6. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
 #      device-to-device copy; CUDA IPC from 2 processes through the daemon against in-process
 #      (at most 120 s),
-# each step under its own timeout, all within BUDGET_S seconds (default 420 = 7 minutes): a step
+# each step under its own timeout, all within BUDGET_S seconds (default 540 = 9 minutes): a step
 # gets what is left after keeping time for the later steps, and is skipped below 30 s.
 #
 # Usage (from the repo root or anywhere): bash bench/gpu_check.sh
 # Environment:
 #   PYTHON    interpreter to try first (then .venv/bin/python, python3, python)
-#   BUDGET_S  total seconds for everything (default 420)
+#   BUDGET_S  total seconds for everything (default 540)
 #   OUT       if set, logs land there (else /tmp/xreduce-gpu-check): pytest_backend.log,
-#             junit_backend.xml, pytest_ipc.log, junit_ipc.xml, bench.log
+#             junit_backend.xml, pytest_ipc.log, junit_ipc.xml, pytest_sdkipc.log, junit_sdkipc.xml,
+#             pytest_nodes.log, junit_nodes.xml, bench.log
 #   VENV      where a fresh venv goes when one is needed (default /tmp/xreduce-gpu-venv)
 # Wheels in .whl/*.whl (carried to the device machine) are installed with --no-index into
 # /tmp/site before the tests run, for packages the machine lacks (e.g. grpcio-health-checking).
@@ -26,7 +30,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-BUDGET_S=${BUDGET_S:-420}
+BUDGET_S=${BUDGET_S:-540}
 VENV=${VENV:-/tmp/xreduce-gpu-venv}
 LOGS=${OUT:-/tmp/xreduce-gpu-check}
 mkdir -p "$LOGS"
@@ -107,7 +111,7 @@ if ! err=$("$PY" -c 'import xreduced.server, xreduce.wire.codec, xreduce.v1.xred
     say "  grpcio/protobuf if too old for the committed stubs: grpcio>=1.85.1, protobuf>=7.35.1)"
 fi
 
-# --- 3, 4. the GPU tests ---------------------------------------------------------
+# --- 3, 4, 5. the GPU tests ---------------------------------------------------------
 # step_timeout CAP RESERVE: seconds for a step, keeping RESERVE for the steps after it.
 step_timeout() { min "$1" $(($(left) - $2 - 5)); }
 
@@ -140,11 +144,15 @@ run_tests() {  # run_tests NAME FILE CAP RESERVE -> sets rc_NAME
 rc_backend=0
 rc_ipc=0
 rc_sdkipc=0
-run_tests backend tests/gpu/test_cupy_backend.py 150 250
-run_tests ipc tests/gpu/test_cuda_ipc.py 90 190
-run_tests sdkipc tests/gpu/test_sdk_cuda_ipc.py 150 70
+rc_nodes=0
+# The reserves keep time for the later steps: the benchmark 70 s, the nodes step 120 s more, 120 s more for
+# test_sdk_cuda_ipc, 60 s more for test_cuda_ipc (each step's time beyond its 30 s minimum comes from the slack).
+run_tests backend tests/gpu/test_cupy_backend.py 150 370
+run_tests ipc tests/gpu/test_cuda_ipc.py 90 310
+run_tests sdkipc tests/gpu/test_sdk_cuda_ipc.py 150 190
+run_tests nodes tests/gpu/test_nodes_nccl.py 150 70
 
-# --- 5. the benchmark ------------------------------------------------------------
+# --- 6. the benchmark ------------------------------------------------------------
 t_bench=$(step_timeout 120 0)
 bench_rc=0
 if [ "$t_bench" -lt 30 ]; then
@@ -164,8 +172,8 @@ else
 fi
 
 say "total $((SECONDS - START))s; test_cupy_backend exit $rc_backend, test_cuda_ipc exit $rc_ipc," \
-    "test_sdk_cuda_ipc exit $rc_sdkipc, benchmark exit $bench_rc"
-if [ "$rc_backend" -ne 0 ] || [ "$rc_ipc" -ne 0 ] || [ "$rc_sdkipc" -ne 0 ]; then
+    "test_sdk_cuda_ipc exit $rc_sdkipc, test_nodes_nccl exit $rc_nodes, benchmark exit $bench_rc"
+if [ "$rc_backend" -ne 0 ] || [ "$rc_ipc" -ne 0 ] || [ "$rc_sdkipc" -ne 0 ] || [ "$rc_nodes" -ne 0 ]; then
     exit 1
 elif [ "$bench_rc" -ne 0 ]; then
     exit 3

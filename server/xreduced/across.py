@@ -13,9 +13,15 @@ collective of the group runs in three steps:
    nodes each element is ``node 0 + node 1``; with more, Gloo's ring adds in an
    order fixed by the number of nodes and the buffer's size; a dtype Gloo cannot
    add is all-gathered and added in node order, ``((node 0 + node 1) + node 2)``.
-   Every node gets the same bytes; MEAN then divides once by the global replica
-   count;
-3. back down, the total is copied to every destination of the node's processes.
+   In a group whose engine is ``gloo+nccl`` (every node's daemon drives GPUs and
+   NCCL), the node sums of the dtypes NCCL adds stay in GPU memory and cross on
+   NCCL instead (:func:`node_sums_across`): with two nodes each element is again
+   ``node 0 + node 1``; with more, NCCL's ring or tree adds in an order fixed for
+   a given size, node count and NCCL build (``NCCL_ALGO=Ring`` pins the
+   algorithm). Every node gets the same bytes; MEAN then divides once by the
+   global replica count;
+3. back down, the total is copied to every destination of the node's processes
+   (from GPU memory, for a total NCCL summed).
 
 A sparse value (TF's IndexedSlices) is not added but concatenated: each node
 concatenates its processes' replicas (global device order within the node), the
@@ -128,7 +134,8 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         totals: list = [None] * len(joined)
         moved = 0
         if dense:
-            sums, moved = node_sums_across(engine, gloo_engine, [joined[t] for t in dense], ref, deadline, timeout)
+            sums, moved = node_sums_across(engine, gloo_engine, [joined[t] for t in dense], ref, deadline, timeout,
+                                           device_engine=cluster.device_engine)
             for t, total in zip(dense, sums):
                 totals[t] = total
         if sparse:
@@ -143,7 +150,7 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         raise refused
     _check_headers(cluster, headers, what)
     total_replicas = int(sum(h[2] for h in headers))
-    finals = [_mean(t, total_replicas) if ref.op == MEAN else t for t in totals]
+    finals = [_final(engine, t, total_replicas if ref.op == MEAN else None, joined[i]) for i, t in enumerate(totals)]
     results: dict[int, list[Result]] = {}
     for pid, c in shares.items():
         results[pid] = [_place(engine, finals[t], dests, c.out[t] if c.out is not None else None, routes[t])
@@ -157,6 +164,17 @@ def _agreed(template: np.ndarray | Slices) -> tuple:
         dtype, rows, dense_shape = template.spec()
         return "sparse", dtype.str, rows, dense_shape
     return template.dtype.str, template.shape
+
+
+def _final(engine: Engine, total, replicas: int | None, pair: tuple[Value, tuple[int, ...]]):
+    """A total as the destinations get it, MEAN dividing once by ``replicas``: on the host as it is, or a
+    total in device memory (NCCL's) as a buffer of the backend on the pair's first destination, divided there
+    as the node's own plan divides."""
+    if isinstance(total, (np.ndarray, Slices)):
+        return total if replicas is None else _mean(total, replicas)
+    value, dests = pair
+    buf = engine.backend.upload((dests or value.devices)[0], total)
+    return buf if replicas is None else engine.backend.divide(buf, replicas)
 
 
 def _mean(total: np.ndarray | Slices, replicas: int) -> np.ndarray | Slices:
@@ -200,18 +218,25 @@ def gather_across(engine: gloo.GlooEngine, parts: list[Slices], timeout: float) 
 
 
 def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list, ref: Contribution,
-                     deadline: Deadline, timeout: float) -> tuple[list[np.ndarray], int]:
-    """Each joined value summed in the node (the node's plan), then across nodes (:func:`sum_across`).
+                     deadline: Deadline, timeout: float, device_engine=None) -> tuple[list, int]:
+    """Each joined value summed in the node (the node's plan), then across nodes.
 
-    A summable tensor over :data:`PIPELINE_BYTES` goes in pieces: the node sums a piece while the previous
-    one crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the
-    whole tensor's does. Returns (totals on the host, bytes moved).
+    With a ``device_engine`` (NCCL: the group's engine is ``gloo+nccl``), the values of a dtype it adds are
+    summed in the node straight into its device buffers, one per dtype in tensor order, which it all-reduces
+    in GPU memory; their totals stay there (views of those buffers). The choice depends on the dtype alone, so
+    every node makes the same one. The rest goes through the host and Gloo (:func:`sum_across`), where a
+    summable tensor over :data:`PIPELINE_BYTES` goes in pieces: the node sums a piece while the previous one
+    crosses the nodes. The numbers are the same either way: a piece's plan adds in the order the whole
+    tensor's does. Returns (totals, bytes moved).
     """
+    on_device = [t for t, (v, _) in enumerate(joined)
+                 if device_engine is not None and device_engine.adds(v.arrays[0].dtype)]
+    device = set(on_device)
     large = [t for t, (v, _) in enumerate(joined)  # host arrays only: a GPU's node sum crosses whole
-             if isinstance(v.arrays[0], np.ndarray) and v.arrays[0].nbytes > PIPELINE_BYTES
+             if t not in device and isinstance(v.arrays[0], np.ndarray) and v.arrays[0].nbytes > PIPELINE_BYTES
              and gloo.summable(v.arrays[0].dtype)]
     rest = [t for t in range(len(joined)) if t not in large]
-    totals: list[np.ndarray | None] = [None] * len(joined)
+    totals: list = [None] * len(joined)
     moved = 0
     pending = []
     for t in large:
@@ -229,16 +254,42 @@ def node_sums_across(engine: Engine, gloo_engine: gloo.GlooEngine, joined: list,
         totals[t] = total.reshape(value.arrays[0].shape)
         moved += total.nbytes
     if rest:
+        buffers, views = _device_buffers(device_engine, joined, on_device)
+        out = [{(joined[t][1] or joined[t][0].devices)[0]: views[t]} if t in views else None for t in rest]
         local = engine.batch_reduce(SUM, [joined[t] for t in rest], num_packs=ref.num_packs,
-                                    algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline)
+                                    algorithm=ref.algorithm, reduce_to=ref.reduce_to, deadline=deadline,
+                                    out=out if buffers else None)
+        if buffers:
+            engine.backend.synchronize()  # the node sums are in the buffers before NCCL's stream reads them
+            for flat in buffers:
+                if flat.size:
+                    device_engine.all_reduce(flat, timeout)
+                moved += int(flat.nbytes)
+            for t, view in views.items():
+                totals[t] = view
+        on_host = [(t, r) for t, r in zip(rest, local) if t not in views]
         sums, n = sum_across(gloo_engine, [np.asarray(engine.backend.to_host(r.arrays[0]), order="C")
-                                           for r in local], timeout)
-        for t, total in zip(rest, sums):
+                                           for _, r in on_host], timeout)
+        for (t, _), total in zip(on_host, sums):
             totals[t] = total
         moved += n
     for work in pending:
         gloo_engine.finish(work)
     return totals, moved
+
+
+def _device_buffers(device_engine, joined: list, on_device: list[int]) -> tuple[list, dict[int, object]]:
+    """The device engine's flat buffers, one per dtype in order of first appearance, holding the tensors
+    ``on_device`` of that dtype back to back in tensor order; and each tensor's view of its buffer."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for t in on_device:
+        by_dtype.setdefault(np.dtype(joined[t][0].arrays[0].dtype), []).append(t)
+    buffers, views = [], {}
+    for dtype, indices in by_dtype.items():
+        flat, parts = device_engine.buffers(dtype, [tuple(joined[t][0].arrays[0].shape) for t in indices])
+        buffers.append(flat)
+        views.update(zip(indices, parts))
+    return buffers, views
 
 
 def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
@@ -347,10 +398,11 @@ def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) 
             "source, or a tensor's dtype or shape")
 
 
-def _place(engine: Engine, total: np.ndarray | Slices, dests: tuple[int, ...],
+def _place(engine: Engine, total, dests: tuple[int, ...],
            out: Mapping[int, np.ndarray] | None, route: str) -> Result:
-    """The total on every destination: written straight into the caller's ``out`` arrays, else uploaded;
-    a sparse total stays on the host, the same on every destination."""
+    """The total on every destination: written straight into the caller's ``out`` arrays (from the host, or
+    from device memory for a total in a buffer of the backend), else a host copy; a sparse total stays on the
+    host, the same on every destination."""
     if isinstance(total, Slices):
         return Result(tuple(dests), (total,) * len(dests), planner.REDUCTION_TO_ONE_DEVICE)
     arrays = []
@@ -358,7 +410,9 @@ def _place(engine: Engine, total: np.ndarray | Slices, dests: tuple[int, ...],
         if out is not None and d in out:
             engine.backend.write(out[d], total)
             arrays.append(out[d])
+        elif isinstance(total, np.ndarray):
+            arrays.append(np.array(total, copy=True))
         else:
-            arrays.append(engine.backend.upload(d, total))
+            arrays.append(np.asarray(engine.backend.download(total)))
     engine.backend.synchronize()
     return Result(tuple(dests), tuple(arrays), route if route != planner.IDENTITY else planner.HIERARCHICAL_COPY)

@@ -1,9 +1,10 @@
 """One epoch of a group across nodes, as a node daemon takes part in it.
 
 A :class:`ClusterGroup` holds the epoch's membership (from the coordinator), its
-engine, the heartbeats and the attendance stream that tell this node when the
-epoch ends, and the lane in which the group's collectives enter the engine one
-after another, in sequence order. Whatever breaks that lockstep (a process that
+engines (Gloo; and NCCL for node sums in GPU memory when every node drives it),
+the heartbeats and the attendance stream that tell this node when the epoch
+ends, and the lane in which the group's collectives enter the engines one after
+another, in sequence order. Whatever breaks that lockstep (a process that
 left, a timeout, a lost node, an engine error) ends the epoch: every
 participant fails with ABORTED or UNAVAILABLE naming who was lost.
 """
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -26,6 +27,9 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduced import gloo
 from xreduced.errors import Aborted, DeadlineExceeded, ServiceError, Unavailable
 from xreduced.executor import Deadline
+
+if TYPE_CHECKING:
+    from xreduced.nccl_engine import NcclEngine
 
 log = logging.getLogger("xreduced.cluster")
 
@@ -43,7 +47,8 @@ class ClusterGroup:
     Args:
         gid: the group's id (``name@coordinator``); epoch: the membership's epoch.
         node_index: this node in ``nodes``; nodes: node 0 first.
-        engine: the engine among the nodes, or None for a group on one node.
+        engine: the engine among the nodes (Gloo), or None for a group on one node.
+        device_engine: the engine for node sums in GPU memory (NCCL, :mod:`xreduced.nccl_engine`), or None.
         beat: sends one heartbeat; returns the coordinator's :class:`pb.EpochState`.
         report: ends the epoch at the coordinator: ``report(reason, process_ids)``.
         attend: opens the attendance stream (``Peers.Attend``): the epoch's end arrives on it at once.
@@ -52,10 +57,11 @@ class ClusterGroup:
     def __init__(self, gid: str, num_processes: int, epoch: int, node_index: int, nodes: list[pb.ClusterNode],
                  engine: gloo.GlooEngine | None, coordinator: str, beat: Callable[[], pb.EpochState],
                  report: Callable[[str, list[int]], None], peer_timeout: float, heartbeat_interval: float,
-                 hosted: bool, attend: Callable[[], Any] | None = None):
+                 hosted: bool, attend: Callable[[], Any] | None = None, device_engine: NcclEngine | None = None):
         self.gid, self.num_processes, self.epoch = gid, num_processes, epoch
         self.node_index, self.nodes = node_index, nodes
         self.engine = engine
+        self.device_engine = device_engine
         self.coordinator = coordinator
         self.hosted = hosted
         self.local = frozenset(p.process_id for p in nodes[node_index].processes)
@@ -78,12 +84,23 @@ class ClusterGroup:
         if self._stream is not None:
             threading.Thread(target=self._attend, name="xreduced-attend", daemon=True).start()
 
-    def connect(self, engine: gloo.GlooEngine) -> None:
-        """Takes the epoch's engine, connected; a failure since closes it at once."""
-        self.engine = engine
+    def connect(self, engine: gloo.GlooEngine, device_engine: NcclEngine | None = None) -> None:
+        """Takes the epoch's engines, connected; a failure since closes them at once."""
+        self.engine, self.device_engine = engine, device_engine
         if self.failed.is_set():
-            engine.close()
+            self._close_engines()
             raise self.error()
+
+    @property
+    def engine_name(self) -> str:
+        """``gloo``, ``gloo+nccl`` (node sums in GPU memory cross on NCCL), or empty on one node."""
+        names = [e.name for e in (self.engine, self.device_engine) if e is not None]
+        return "+".join(names)
+
+    def _close_engines(self) -> None:
+        for e in (self.device_engine, self.engine):
+            if e is not None:
+                e.close()
 
     @property
     def spans_nodes(self) -> bool:
@@ -107,8 +124,7 @@ class ClusterGroup:
             self.failed.set()
             self._lock.notify_all()
         log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
-        if self.engine is not None:
-            self.engine.close()  # lets its connections go (a call waiting on a peer ends by its timeout)
+        self._close_engines()  # lets their connections go (a call waiting on a peer ends by its timeout, or aborts)
         self._lane.shutdown(wait=False, cancel_futures=True)  # its thread ends once a call in it does
         if report:
             with contextlib.suppress(Exception):  # the coordinator may be what was lost
@@ -164,8 +180,7 @@ class ClusterGroup:
         self._closed.set()
         if self._stream is not None:
             self._stream.cancel()
-        if self.engine is not None:
-            self.engine.close()
+        self._close_engines()
         self._lane.shutdown(wait=False, cancel_futures=True)
 
     # --- the engine, in sequence order -----------------------------------------------------------------------
@@ -176,8 +191,9 @@ class ClusterGroup:
             return sequence is not None and self._next > sequence
 
     def exchange(self, sequence: int, mine: np.ndarray, work: Callable, deadline: Deadline, label: str):
-        """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes and
-        returns ``(result, bytes moved)``); collective ``sequence`` enters the engine after ``sequence - 1``.
+        """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes, on
+        ``engine`` and on :attr:`device_engine` if any, and returns ``(result, bytes moved)``); collective
+        ``sequence`` enters the engines after ``sequence - 1``.
 
         Returns:
             (headers, result): every node's header, node 0's first, and what ``work`` returned.

@@ -54,8 +54,8 @@ class Config:
     metrics_listen: str | None = None
     """host:port for Prometheus metrics; None: no metrics endpoint."""
     node_address: str | None = None
-    """Where the other nodes of a group reach this node's engine; the engine binds only to it. None: this
-    machine's address on the route to the group's coordinator."""
+    """Where the other nodes of a group reach this node's engines; Gloo binds only to it, NCCL only to its
+    interface. None: this machine's address on the route to the group's coordinator."""
     peer_timeout: float = 5.0
     """Seconds a node of a group may be silent (no heartbeat, no engine progress) before it is lost; a lost
     node fails every collective of its group within twice this."""
@@ -89,7 +89,8 @@ _FLAGS = {
     "max_collectives": (int, "multi-process collectives waiting at once, at most; default 1024"),
     "metrics_listen": (str, "host:port to serve Prometheus metrics on; default off"),
     "node_address": (str, "groups across nodes: this node's address as the other nodes reach it; the "
-                     "engine (Gloo) binds only to it; default: the address on the route to the coordinator"),
+                     "engines bind only to it (Gloo) or its interface (NCCL); default: the address on the route "
+                     "to the coordinator"),
     "peer_timeout": (float, "groups across nodes: seconds a silent node is lost after; collectives fail "
                      "within twice this; default 5"),
     "heartbeat_interval": (float, "groups across nodes: seconds between heartbeats to the coordinator; "

@@ -9,8 +9,10 @@ silent for ``--peer-timeout`` seconds, when a node reports a failure (a process
 left, the engine failed), or when a process registers again (a new epoch forms).
 Anything that names an older epoch is refused.
 
-The store holds what the engine's ranks exchange to connect (Gloo's addresses),
-per group and epoch, and is dropped with the epoch.
+A group that spans nodes gets the engine ``gloo``, or ``gloo+nccl`` when every node
+can drive both (node sums in GPU memory then cross on NCCL, :mod:`xreduced.nccl_engine`).
+The store holds what the engines' ranks exchange to connect (Gloo's addresses,
+NCCL's unique id), per group and epoch, and is dropped with the epoch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from xreduced.errors import Aborted, DeadlineExceeded, FailedPrecondition, Inter
 log = logging.getLogger("xreduced.coordinator")
 
 MAX_STORE_KEYS = 4096
-"""Keys one epoch's store holds at most (Gloo sets a few per node)."""
+"""Keys one epoch's store holds at most (Gloo sets a few per node, NCCL one)."""
 MAX_STORE_VALUE = 1 << 16
 """Bytes of one store value at most."""
 
@@ -196,7 +198,8 @@ class Coordinator:
                     f"group {group.name!r} spans {len(nodes)} nodes, which needs the cross-node engine, but "
                     f"node(s) {without} ({', '.join(nodes[i].address for i in without)}) cannot drive Gloo: "
                     "pip install 'xreduce[cluster]' (torch) on every node")
-            engine = "gloo"
+            every = [set(regs[0].node.engines) for regs in by_node.values()]
+            engine = "gloo+nccl" if all("nccl" in e for e in every) else "gloo"
         # Above any epoch a node has seen: this coordinator may have restarted since.
         group.last_epoch = max(group.last_epoch, *(r.last_epoch for r in group.round.values())) + 1
         now = time.monotonic()  # every node beats from the moment it hears of the epoch, before its engine connects

@@ -4,7 +4,8 @@ A node daemon joins a group through the group's coordinator
 (:mod:`xreduced.coordinator`, at ``job_addresses[0]``; process 0's daemon serves
 it), which answers with the membership of a new epoch: the nodes, node 0 first,
 and each node's processes and their devices. :class:`Peers` connects the epoch's
-engine and keeps a :class:`~xreduced.cluster.ClusterGroup` per group; its
+engines (Gloo; and NCCL for node sums in GPU memory when the coordinator chose ``gloo+nccl``, which it does
+when every node advertised both) and keeps a :class:`~xreduced.cluster.ClusterGroup` per group; its
 collectives are :mod:`xreduced.across`'s.
 """
 
@@ -24,7 +25,7 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire.devices import DeviceName
 
-from xreduced import gloo, security
+from xreduced import gloo, nccl_engine, security
 from xreduced.cluster import ClusterGroup
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
@@ -144,6 +145,8 @@ class Peers:
         node_address = self.config.node_address or route_address(host, port)
         stub = self._stub(coordinator)
         engines = ["gloo"] if gloo.unavailable_reason() is None else []
+        if nccl_engine.unavailable_reason(self.backend) is None:
+            engines.append("nccl")
         with self._lock:
             last_epoch = self._epochs.get(gid, 0)
         request = pb.RegisterRequest(
@@ -221,7 +224,7 @@ class Peers:
                                hosted=coordinator in self._servers, attend=attend)
         if len(nodes) > 1:
             try:
-                cluster.connect(self._engine(reply, stub, coordinator, index, node_address, timeout))
+                cluster.connect(*self._engines(reply, stub, coordinator, index, node_address, timeout))
             except ServiceError as e:
                 cluster.fail(f"{cluster.describe(index)} could not connect the engine: {e}", report=True)
                 cluster.close()
@@ -236,14 +239,22 @@ class Peers:
                  reply.engine or "none")
         return cluster
 
-    def _engine(self, reply: pb.RegisterResponse, stub, coordinator: str, index: int, node_address: str,
-                timeout: float) -> gloo.GlooEngine:
-        """The epoch's engine, connected to every node's through the coordinator's store."""
+    def _engines(self, reply: pb.RegisterResponse, stub, coordinator: str, index: int, node_address: str,
+                 timeout: float) -> tuple[gloo.GlooEngine, nccl_engine.NcclEngine | None]:
+        """The epoch's engines, connected to every node's through the coordinator's store, within ``timeout``:
+        Gloo, and for ``gloo+nccl`` NCCL too."""
         gid, epoch = reply.group, reply.epoch
-        reason = gloo.unavailable_reason()
-        if reply.engine != "gloo" or reason is not None:
+        wanted = reply.engine or "gloo"
+        reasons = {"gloo": gloo.unavailable_reason()}
+        if wanted == "gloo+nccl":
+            reasons["nccl"] = nccl_engine.unavailable_reason(self.backend)
+        elif wanted != "gloo":
+            reasons[wanted] = f"this daemon does not know the engine {wanted!r}"
+        refused = "; ".join(f"{name}: {why}" for name, why in reasons.items() if why is not None)
+        if refused:
             raise FailedPrecondition(f"group {gid!r} spans {len(reply.nodes)} nodes, which needs the engine "
-                                     f"{reply.engine or 'gloo'}: {reason}")
+                                     f"{wanted}: {refused}")
+        deadline = time.monotonic() + timeout
 
         def store_call(method, request, seconds=timeout):
             return self._call(method, request, seconds + 5.0, coordinator, "reach", engine_error=True)
@@ -260,9 +271,18 @@ class Peers:
             return store_call(stub.StoreAdd, pb.StoreAddRequest(group=gid, epoch=epoch, key=key,
                                                                 amount=amount)).value
 
+        store = (set_, get, add)
         try:
-            return gloo.GlooEngine((set_, get, add), index, len(reply.nodes), node_address, timeout)
+            host = gloo.GlooEngine(store, index, len(reply.nodes), node_address, timeout)
         except gloo.EngineError as e:
+            raise Unavailable(f"group {gid!r} epoch {epoch}: {e}") from None
+        if wanted != "gloo+nccl":
+            return host, None
+        try:  # the same bound for both: the join's
+            return host, nccl_engine.NcclEngine(store, index, len(reply.nodes), node_address,
+                                                max(deadline - time.monotonic(), 0.001))
+        except gloo.EngineError as e:
+            host.close()
             raise Unavailable(f"group {gid!r} epoch {epoch}: {e}") from None
 
     def leave(self, gid: str, epoch: int, process_id: int) -> None:
@@ -371,7 +391,7 @@ class Peers:
                 group=g.gid, epoch=g.epoch,
                 state="left" if g.left == g.local else "failed" if g.failed.is_set() else "active",
                 num_processes=g.num_processes, node_index=g.node_index, nodes=g.nodes,
-                engine=g.engine.name if g.engine is not None else "", coordinator=g.hosted,
+                engine=g.engine_name, coordinator=g.hosted,
                 cross_node_collectives=g.stats.collectives, cross_node_bytes=g.stats.bytes,
                 cross_node_seconds=g.stats.seconds, lost=g.lost, reason=g.reason))
         return out

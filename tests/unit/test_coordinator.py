@@ -67,6 +67,29 @@ def test_a_node_without_the_engine_is_refused_naming_what_to_install(coordinator
         assert "node(s) [1] (10.0.0.2) cannot drive Gloo" in str(reply) and "xreduce[cluster]" in str(reply)
 
 
+@pytest.mark.parametrize("engines, chosen", [
+    ((("gloo", "nccl"), ("gloo", "nccl")), "gloo+nccl"),
+    ((("gloo", "nccl"), ("gloo",)), "gloo"),
+    ((("gloo",), ("gloo", "nccl")), "gloo"),
+    ((("gloo",), ("gloo",)), "gloo"),
+])
+def test_nccl_joins_gloo_only_when_every_node_drives_it(coordinator, engines, chosen):
+    a, b = node("a", engines=engines[0]), node("b", "10.0.0.2", engines=engines[1])
+    replies = register_all(coordinator, [(0, a, []), (1, b, []), (2, a, [])])
+    assert [r.engine for r in replies.values()] == [chosen] * 3
+
+
+def test_nccl_without_gloo_is_refused_as_gloo_is_missing(coordinator):
+    replies = register_all(coordinator, [(0, node("a", engines=("gloo", "nccl")), []),
+                                         (1, node("b", "10.0.0.2", engines=("nccl",)), [])])
+    assert all(isinstance(r, FailedPrecondition) and "cannot drive Gloo" in str(r) for r in replies.values())
+
+
+def test_one_node_has_no_engine_even_with_nccl(coordinator):
+    replies = register_all(coordinator, [(0, node("a", engines=("gloo", "nccl")), [])])
+    assert replies[0].engine == ""
+
+
 def test_missing_processes_are_named_after_the_timeout(coordinator):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 2\] to register"):

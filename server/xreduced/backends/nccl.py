@@ -39,6 +39,17 @@ def nccl_type(nccl: Any, dtype: np.dtype) -> tuple[int, int]:
     return code, 2 if name.startswith("complex") else 1
 
 
+def missing_types(nccl: Any) -> list[str]:
+    """The dtypes whose NCCL type the bindings ``nccl`` lack (e.g. bfloat16 in an old CuPy).
+
+    Example:
+        >>> class Nccl: NCCL_FLOAT32 = 7
+        >>> "bfloat16" in missing_types(Nccl), "float32" in missing_types(Nccl)
+        (True, False)
+    """
+    return sorted(name for name, code in _CODES.items() if not hasattr(nccl, code))
+
+
 def check_distinct(gpus: Sequence[int]) -> None:
     """NCCL's rule: one rank per GPU.
 
