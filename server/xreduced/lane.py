@@ -431,10 +431,19 @@ class LocalLane:
                 os.close(fd)
 
     def _turn(self, waiting: dict[_Connection, Deferred]) -> None:
-        """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due."""
+        """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due.
+        The turn's calls are counted and logged at its end, once their replies are sent."""
         wake = min((d.wake_at() for d in waiting.values()), default=math.inf)
         timeout = None if wake == math.inf else min(max(wake - time.monotonic(), 0.0), 3600.0)
-        for key, _ in self._selector.select(timeout):
+        events = self._selector.select(timeout)
+        with self._pipeline.records_held() as ended:
+            try:
+                self._handle(events, waiting)
+            finally:
+                self._pipeline.record(ended)
+
+    def _handle(self, events, waiting: dict[_Connection, Deferred]) -> None:
+        for key, _ in events:
             if key.data is None:
                 self._take_greeted(waiting)
                 continue

@@ -97,6 +97,8 @@ class Call:
     """Bytes the call holds in the in-flight budget."""
     code: str = "OK"
     started: float = dataclasses.field(default_factory=time.monotonic)
+    seconds: float = 0.0
+    """How long the call took, once it has ended."""
     refused_draining: bool = False
     """The call came while the daemon was stopping: it is refused."""
 
@@ -185,6 +187,31 @@ class CallPipeline(grpc.ServerInterceptor):
         self._ended_draining = 0
         self._draining = False
         self._idle = threading.Condition()
+        self._held = threading.local()
+
+    @contextlib.contextmanager
+    def records_held(self) -> Iterator[list[Call]]:
+        """Within the block, the calls this thread ends are counted and logged (step 8) only when the caller
+        passes the list it got to :meth:`record`: the local lane's thread sends its replies first.
+
+        Example:
+            >>> p = CallPipeline(Stats(), Admission())
+            >>> with p.records_held() as ended:
+            ...     pass
+            >>> p.record(ended)
+        """
+        held: list[Call] = []
+        self._held.calls = held
+        try:
+            yield held
+        finally:
+            self._held.calls = None
+
+    def record(self, calls: list[Call]) -> None:
+        """Counts and logs ``calls`` (held by :meth:`records_held`), in the order they ended."""
+        for call in calls:
+            self._record(call)
+        calls.clear()
 
     def drain(self, timeout: float) -> int | None:
         """Refuses new calls of the service from now on, and waits up to ``timeout`` seconds for
@@ -418,17 +445,25 @@ class CallPipeline(grpc.ServerInterceptor):
             call.regions.release()
         if call.held:
             self.admission.release(call.held)
-        seconds = time.monotonic() - call.started
-        self.stats.record(call.method, call.code, call.bytes_in, call.bytes_out, seconds)
-        log.info("event=call id=%d method=%s bytes_in=%d bytes_out=%d ms=%.3f status=%s",
-                 call.id, call.method, call.bytes_in, call.bytes_out, seconds * 1e3, call.code)
-        if call.bytes_in + call.bytes_out >= TRIM_BYTES:
-            trim_malloc()
+        call.seconds = time.monotonic() - call.started
+        held = getattr(self._held, "calls", None)
+        if held is not None:
+            held.append(call)
+        else:
+            self._record(call)
         with self._idle:
             self._calls -= 1
             if self._draining:
                 self._ended_draining += not call.refused_draining
                 self._idle.notify_all()
+
+
+    def _record(self, call: Call) -> None:
+        self.stats.record(call.method, call.code, call.bytes_in, call.bytes_out, call.seconds)
+        log.info("event=call id=%d method=%s bytes_in=%d bytes_out=%d ms=%.3f status=%s",
+                 call.id, call.method, call.bytes_in, call.bytes_out, call.seconds * 1e3, call.code)
+        if call.bytes_in + call.bytes_out >= TRIM_BYTES:
+            trim_malloc()
 
 
 _DONE = object()

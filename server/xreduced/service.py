@@ -324,7 +324,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             global_devices=[n for pid in sorted(names) for n in names[pid]],
             processes=[pb.ProcessDevices(process_id=pid, devices=names[pid]) for pid in sorted(names)],
             epoch=cluster.epoch, group=cluster.gid, nodes=cluster.nodes, node_index=cluster.node_index,
-            engine=cluster.engine.name if cluster.engine is not None else "",
+            engine=cluster.engine_name,
         )
 
     def ReduceStream(self, request_iterator, context):

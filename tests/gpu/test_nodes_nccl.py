@@ -133,6 +133,7 @@ def test_two_nodes_sum_on_nccl(start_daemon):
     try:
         inits = [w.next("ready") for w in workers]
         assert [i["num_nodes"] for i in inits] == [2, 2]
+        assert [i["engine"] for i in inits] == ["gloo+nccl"] * 2  # what initialize() says
         for d in daemons:
             groups, printed = _status(d)
             assert [g.engine for g in groups] == ["gloo+nccl"], groups

@@ -78,3 +78,31 @@ def test_drain_waits_for_the_call_in_flight_and_refuses_new_ones():
 
 def test_an_idle_pipeline_drains_at_once():
     assert CallPipeline(Stats(), Admission()).drain(timeout=0) == 0
+
+
+def test_held_records_are_counted_and_logged_only_when_recorded(caplog):
+    """The local lane's thread holds its calls' records (step 8) until their replies are sent."""
+    stats = Stats()
+    pipeline = CallPipeline(stats, Admission())
+    echo = handler(pipeline, "/x.Y/Echo", lambda r, c: b"reply")
+    with caplog.at_level("INFO", logger="xreduced.calls"):
+        with pipeline.records_held() as ended:
+            assert call(echo) == b"reply"
+            assert [c.name for c in ended] == ["Echo"]
+            assert "event=call" not in caplog.text
+            other = {}  # another thread's calls are not held
+            thread = threading.Thread(target=lambda: other.setdefault("reply", call(echo)))
+            thread.start()
+            thread.join(10)
+            assert other["reply"] == b"reply" and caplog.text.count("event=call") == 1
+        assert _calls(stats) == 1
+        pipeline.record(ended)
+        assert ended == [] and caplog.text.count("event=call") == 2 and _calls(stats) == 2
+        # Outside the block, a call is recorded as it ends.
+        call(echo)
+        assert caplog.text.count("event=call") == 3 and caplog.text.count("method=/x.Y/Echo") == 3
+    assert _calls(stats) == 3
+
+
+def _calls(stats: Stats) -> float:
+    return stats.registry.get_sample_value("xreduce_calls_total", {"method": "/x.Y/Echo", "code": "OK"}) or 0.0
