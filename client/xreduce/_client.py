@@ -430,8 +430,10 @@ class Client:
         """
         return self._unary("Broadcast", request, timeout, session)
 
-    def join_group(self, request: pb.JoinGroupRequest, timeout: float | None = None) -> pb.JoinGroupResponse:
-        """Calls ``JoinGroup``: meets the other processes of a multi-process job in the daemon.
+    def join_group(self, request: pb.JoinGroupRequest, timeout: float | None = None, *,
+                   session: str | None = None) -> pb.JoinGroupResponse:
+        """Calls ``JoinGroup``: meets the other processes of a multi-process job in the daemon. With a
+        ``session``, a group across nodes ends if that session ends before this process leaves.
 
         Example:
             >>> import xreduce
@@ -440,7 +442,7 @@ class Client:
             >>> [d[-5:] for d in joined.local_devices]
             ['CPU:0', 'CPU:1']
         """
-        return self._unary("JoinGroup", request, timeout)
+        return self._unary("JoinGroup", request, timeout, session)
 
     def leave_group(self, request: pb.LeaveGroupRequest, timeout: float | None = None) -> pb.LeaveGroupResponse:
         """Calls ``LeaveGroup``: this process is done with a group across nodes.

@@ -286,6 +286,31 @@ def _resolve(job_addresses: Any, num_processes: Any, process_id: Any) -> tuple[t
     return addresses, count, pid
 
 
+@dataclasses.dataclass
+class _Membership:
+    """The session that ties this process to its group across nodes: the daemon ends the group's epoch if
+    the session ends before the process leaves (the process died); see ``Peers.session_ended``."""
+
+    client: Client
+    session: Any
+
+    @classmethod
+    def open(cls, address: str | None, token: str | None, timeout: float) -> _Membership | None:
+        """A new session on the process's daemon, or None when the daemon opens none (the group then
+        ends only by ``shutdown()``, its process's exit, a timeout or a lost node)."""
+        client = Client(address, token=token, transport="wire")
+        try:
+            return cls(client, client.open_session(pb.OpenSessionRequest(), timeout=timeout))
+        except XReduceError:
+            client.close()
+            return None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.session.close()
+        self.client.close()
+
+
 class DistributionState:
     """The process identity behind :func:`initialize`; tests make fresh instances.
 
@@ -321,6 +346,7 @@ class DistributionState:
         self._timeout = timeout
         self._info: ProcessInfo | None = None
         self._group: ProcessGroup | None = None
+        self._membership: _Membership | None = None
         self._lock = threading.Lock()
 
     def initialize(self, job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,
@@ -372,9 +398,19 @@ class DistributionState:
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
         spec = pb.CollectiveSpec(group=name, num_processes=count, process_id=pid, name="join")
-        with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
-            reply = client.join_group(pb.JoinGroupRequest(
-                group=name, num_processes=count, process_id=pid, devices=requested, coordinator=coordinator))
+        # A group with a coordinator lives in the daemons until its processes leave: a session ties this process
+        # to it, so that the daemon ends the group's epoch if this process dies without leaving.
+        membership = _Membership.open(self._address, self._token, self._timeout) if coordinator else None
+        try:
+            with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
+                reply = client.join_group(pb.JoinGroupRequest(
+                    group=name, num_processes=count, process_id=pid, devices=requested, coordinator=coordinator),
+                    session=membership.session.id if membership is not None else None)
+        except BaseException:
+            if membership is not None:
+                membership.close()
+            raise
+        self._membership = membership
         return ProcessGroup.from_reply(name, count, pid, reply)
 
     def _check_daemon(self) -> tuple[str, tuple[str, ...]]:
@@ -396,11 +432,14 @@ class DistributionState:
         """
         with self._lock:
             group, self._info, self._group = self._group, None, None
+            membership, self._membership = self._membership, None
         if group is not None and group.epoch:
             with contextlib.suppress(XReduceError), Client(self._address, timeout=LEAVE_TIMEOUT,
                                                            token=self._token) as client:
                 client.leave_group(pb.LeaveGroupRequest(group=group.group, epoch=group.epoch,
                                                         process_id=group.process_id))
+        if membership is not None:  # after leaving: a session that ends first would end the group's epoch
+            membership.close()
 
     @property
     def group(self) -> ProcessGroup | None:

@@ -71,6 +71,8 @@ class ClusterGroup:
         self.lost: list[pb.LostPeer] = []
         self.reason = ""
         self.failed = threading.Event()
+        self.coordinator_lost = False
+        """The epoch ended because the coordinator stopped answering (its collectives fail UNAVAILABLE here)."""
         self.left: set[int] = set()
         """This node's processes that have left the group (LeaveGroup)."""
         self._beat, self._report = beat, report
@@ -115,12 +117,14 @@ class ClusterGroup:
     # --- failure ---------------------------------------------------------------------------------------------
 
     def fail(self, reason: str, lost: list[pb.LostPeer] = (), report: bool = False,
-             process_ids: list[int] = ()) -> None:
-        """Ends this epoch here (and, with ``report``, at the coordinator, so every node learns)."""
+             process_ids: list[int] = (), coordinator: bool = False) -> None:
+        """Ends this epoch here (and, with ``report``, at the coordinator, so every node learns); ``coordinator``:
+        because the coordinator stopped answering."""
         with self._lock:
             if self.failed.is_set():
                 return
             self.reason, self.lost = reason, list(lost)
+            self.coordinator_lost = coordinator
             self.failed.set()
             self._lock.notify_all()
         log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
@@ -134,8 +138,7 @@ class ClusterGroup:
         """The error every collective of this failed epoch gets."""
         again = "; call xreduce.distribution.shutdown() and initialize() again on every process for a new epoch"
         text = f'group "{self.gid}" epoch {self.epoch} is over: {self.reason}{again}'
-        lost_coordinator = any(p.node_index == 0 for p in self.lost) and not self.hosted
-        return Unavailable(text) if lost_coordinator else Aborted(text)
+        return Unavailable(text) if self.coordinator_lost and not self.hosted else Aborted(text)
 
     def abandoned(self) -> ServiceError | None:
         """The epoch's error once it has failed (the rendezvous asks while this node's processes wait), else None."""
@@ -160,7 +163,7 @@ class ClusterGroup:
                               f"for {silent:.1f} s ({e.code().name})",
                               [pb.LostPeer(node_index=0, address=self.nodes[0].address,
                                            process_ids=[p.process_id for p in self.nodes[0].processes],
-                                           reason=f"no answer for {silent:.1f} s")])
+                                           reason=f"no answer for {silent:.1f} s")], coordinator=True)
                 continue
             last_ok = time.monotonic()
             if not state.ok:

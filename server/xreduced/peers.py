@@ -103,6 +103,8 @@ class Peers:
         self._linking: dict[str, int] = {}  # coordinator address -> joins through it in progress
         self._epochs: collections.OrderedDict[str, int] = collections.OrderedDict()
         """The newest epoch of each group this daemon took part in (the last MAX_REMEMBERED), left ones too."""
+        self._watched: dict[str, set[tuple[str, int, int]]] = {}
+        """Sessions through which processes joined groups: session id -> {(group, epoch, process id)}."""
         token = security.load_token(config)
         self._metadata = (("authorization", "Bearer " + token.decode()),) if token else ()
 
@@ -307,6 +309,41 @@ class Peers:
         cluster.close()
         log.info("event=group_left group=%s epoch=%d", gid, epoch)
         self._release()
+
+    def watch(self, session_id: str, gid: str, epoch: int, process_id: int) -> None:
+        """Process ``process_id`` joined epoch ``epoch`` of group ``gid`` through session ``session_id``: if the
+        session ends before the process leaves, the epoch ends (:meth:`session_ended`). A session's entries for
+        epochs that are over are dropped here, so they stay few."""
+        with self._lock:
+            kept = {(g, e, p) for g, e, p in self._watched.get(session_id, ())
+                    if (c := self._groups.get(g)) is not None and c.epoch == e and not c.failed.is_set()}
+            kept.add((gid, epoch, process_id))
+            self._watched[session_id] = kept
+
+    def session_ended(self, session_id: str) -> None:
+        """A session's stream ended (its process closed it, exited or was killed). Each process that joined
+        a group through it and has not left fails the group's epoch everywhere, named as lost, as a lost
+        node does: the others' collectives fail now with ABORTED instead of waiting for it, and no daemon
+        keeps the group heartbeating for a job that is gone."""
+        with self._lock:
+            memberships = self._watched.pop(session_id, set())
+            gone = []
+            for gid, epoch, pid in sorted(memberships):
+                cluster = self._groups.get(gid)
+                if (cluster is not None and cluster.epoch == epoch and not cluster.failed.is_set()
+                        and pid not in cluster.left):
+                    gone.append((cluster, pid))
+        for cluster, pid in gone:
+            node = cluster.nodes[cluster.node_index]
+            log.warning("event=process_gone group=%s epoch=%d process=%d", cluster.gid, cluster.epoch, pid)
+            cluster.fail(f"process {pid} on {cluster.describe(cluster.node_index)} ended without leaving the group "
+                         "(its session with its daemon closed: it exited or was killed)",
+                         [pb.LostPeer(node_index=cluster.node_index, address=node.address, process_ids=[pid],
+                                      reason="its session closed without LeaveGroup")],
+                         report=True, process_ids=[pid])
+            cluster.close()
+        if gone:
+            self._release()
 
     def _release(self) -> None:
         """Stops the coordinators no group needs any more, closes the links no group uses, and forgets the

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import logging
 import math
 import mmap
 import os
@@ -42,6 +43,8 @@ from xreduce.wire.contract import SESSION_METADATA
 
 from xreduced.backends import DeviceRegion
 from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
+
+log = logging.getLogger("xreduced.regions")
 
 SHM_DIR = "/dev/shm"
 """Where POSIX shared-memory objects live on Linux."""
@@ -215,6 +218,7 @@ class RegionTable:
         self._sessions: dict[str, Session] = {}
         self._ipc_opener = ipc_opener
         self.max_regions_per_session = max_regions_per_session
+        self._end_listeners: list[Callable[[str], None]] = []
 
     @property
     def cuda_ipc(self) -> bool:
@@ -268,13 +272,35 @@ class RegionTable:
         for region in regions:
             self._release(region)
 
+    def on_session_end(self, listener: Callable[[str], None]) -> None:
+        """Calls ``listener(session_id)`` whenever a session's stream ends while the daemon runs (its client
+        closed it, disconnected, or died), after its regions are released.
+
+        Example:
+            >>> table = RegionTable()
+            >>> table.on_session_end(lambda session_id: print("ended", session_id == s.id))
+            >>> s = table.open_session()
+            >>> table.session_ended(s.id)
+            ended True
+            >>> table.session_ended(s.id)  # once
+        """
+        with self._lock:
+            self._end_listeners.append(listener)
+
     def session_ended(self, session_id: str) -> None:
         """A session's stream ended: its regions are released, unless the daemon is
-        stopping (calls still in flight may use them; :meth:`close_all` releases them)."""
+        stopping (calls still in flight may use them; :meth:`close_all` releases them), and
+        the :meth:`on_session_end` listeners learn it (once)."""
         with self._lock:
-            if self._closing:
+            if self._closing or session_id not in self._sessions:
                 return
+            listeners = list(self._end_listeners)
         self.close_session(session_id)
+        for listener in listeners:
+            try:
+                listener(session_id)
+            except Exception:  # a bug in one listener: the others still learn it
+                log.exception("event=session_end_listener_error session=%s...", session_id[:8])
 
     def end_streams(self) -> None:
         """The daemon is stopping: no new session, and every session's stream ends now;

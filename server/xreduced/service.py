@@ -32,12 +32,12 @@ from xreduced.config import Config
 from xreduced.deferred import Deferred, then
 from xreduced.devices import DeviceTable
 from xreduced.engine import Engine, Result, Value, check_destinations, is_sparse, result_dtype
-from xreduced.errors import Aborted, InvalidArgument, NotFound, ServiceError
+from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
 from xreduced.region_service import RegionService
-from xreduced.regions import CallRegions, RegionTable
+from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Rendezvous
 
 log = logging.getLogger("xreduced.service")
@@ -86,6 +86,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """(connections, calls) of the local lane; the daemon sets it when it opens one."""
         self.peers = peers.Peers(self.config, [self.devices.name(i).short for i in range(len(self.devices))],
                                  backend_name)
+        self.regions.on_session_end(self.peers.session_ended)
         self.stats.watch_groups(self.peers.status)
 
     def ListDevices(self, request, context):
@@ -276,7 +277,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         devices = decode.devices(request.devices, "devices", self.devices)
         check_destinations(devices, "devices", self.engine.label)
         if request.coordinator and group.num_processes > 1:
-            return self._join_across(request, devices, deadline)
+            return self._join_across(request, devices, deadline, context)
         what = f'the join of group "{request.group}"'
         if group.num_processes == 1:
             assigned = {0: devices or tuple(range(len(self.devices)))}
@@ -309,10 +310,21 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.peers.leave(request.group, request.epoch, request.process_id)
         return pb.LeaveGroupResponse()
 
-    def _join_across(self, request, devices: tuple[int, ...], deadline: Deadline) -> pb.JoinGroupResponse:
-        """JoinGroup through the group's coordinator: its processes may be on several nodes."""
+    def _join_across(self, request, devices: tuple[int, ...], deadline: Deadline, context) -> pb.JoinGroupResponse:
+        """JoinGroup through the group's coordinator: its processes may be on several nodes. A call that names
+        a session (the SDK's ``initialize`` opens one for the group) ties the process to it: if the session ends
+        before the process leaves (it exited or was killed), the epoch ends for everyone
+        (:meth:`xreduced.peers.Peers.session_ended`)."""
+        session = session_of(context) if hasattr(context, "invocation_metadata") else None
+        if session is not None and self.regions.session(session) is None:
+            raise FailedPrecondition(f"x-xreduce-session: {session[:8]}... is not an open session of this daemon "
+                                     "(it was closed, or the daemon restarted); open a new one, or send none")
         cluster = self.peers.join(request.group, request.num_processes, request.process_id, request.coordinator,
                                   [self.devices.name(d).short for d in devices], max(deadline.remaining() or 0.0, 0.0))
+        if session is not None:
+            self.peers.watch(session, cluster.gid, cluster.epoch, request.process_id)
+            if self.regions.session(session) is None:  # it ended while the process joined: the process is gone
+                self.peers.session_ended(session)
         self.rendezvous.forget_failures(cluster.gid)
         names = {}
         for node in cluster.nodes:

@@ -9,7 +9,17 @@ import time
 import grpc
 import numpy as np
 import pytest
-from multinode import NODE_FLAGS, exact_total, finish, group_status, inputs, results, same_bytes, without_torch
+from multinode import (
+    FAILS_WITHIN,
+    NODE_FLAGS,
+    exact_total,
+    finish,
+    group_status,
+    inputs,
+    results,
+    same_bytes,
+    without_torch,
+)
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
 from xreduce.wire import codec
@@ -178,3 +188,36 @@ def test_a_daemon_stops_within_its_grace_while_a_join_waits_at_its_coordinator(s
     finally:
         process.close()
     assert stopped <= 1 + 10, f"the daemon took {stopped:.1f} s to exit after SIGTERM (grace 1 s)"
+
+
+def test_a_process_killed_without_shutdown_ends_its_groups_epoch_at_once(nodes):
+    """Process 1 shares node 0 with process 0 and is SIGKILLed between collectives: its session with its daemon
+    ends, so the epoch ends on every node, naming it; the others' next collective fails with ABORTED at once
+    (not at the 20 s collective timeout), and no daemon keeps the group active for a job that is gone."""
+    script = [{"op": "init"}, _reduce(30), {"op": "barrier"}, _reduce(31)]
+    processes = nodes.launch([0, 0, 1], script)
+    try:
+        inits = [p.step(0, 120) for p in processes]
+        for p in processes:
+            assert p.step(1, 120)["ok"]
+        gid, epoch = inits[0]["result"]["group"], inits[0]["result"]["epoch"]
+        killed_at = processes[1].signal(signal.SIGKILL)
+        ended = {}
+        while len(ended) < 2 and time.monotonic() - killed_at < FAILS_WITHIN:
+            for node in (0, 1):
+                state = group_status(nodes.address(node), gid)
+                if state.epoch == epoch and state.state == "failed":
+                    ended.setdefault(node, state)
+            time.sleep(0.1)
+        assert sorted(ended) == [0, 1], f"the epoch did not end on every node within {FAILS_WITHIN}s: {ended}"
+        for state in ended.values():
+            assert "process 1" in state.reason and "ended without leaving" in state.reason, state.reason
+        for p in (processes[0], processes[2]):
+            p.go()
+        failed = [p.step(3, 60) for p in (processes[0], processes[2])]
+    finally:
+        for p in processes:
+            p.close()
+    for event in failed:
+        assert not event["ok"] and event["code"] == "ABORTED", event
+        assert "process 1" in event["message"] and "ended without leaving" in event["message"], event
