@@ -8,7 +8,9 @@ mostly large tensors; at a random point of them node 1 is hit:
 * ``kill``: node 1's daemon is SIGKILLed (then restarted on its port);
 * ``stop``: node 1's daemon is SIGSTOPped (then SIGKILLed and restarted);
 * ``link-down`` (root, network namespaces): node 1's switch port goes down, its packets dropped
-  silently (then it comes back up).
+  silently (then it comes back up);
+* ``process-kill``: process 3, a training process of node 1, is SIGKILLed (its daemon lives on: it sees the
+  process's session end); a new process 3 takes its place for the rejoin.
 
 The trials of a mode are one job restarting: the same coordinator address throughout. Per trial: when
 node 0's processes failed after the fault (detection), with which codes; whether anything partial was
@@ -21,7 +23,7 @@ trials; and, at the end, over jobs that each have a coordinator address of their
 
 Usage (a few minutes; the machine otherwise idle):
 
-    .venv/bin/python bench/fault_trials.py [--trials 20] [--modes kill,stop,link-down]
+    .venv/bin/python bench/fault_trials.py [--trials 20] [--modes kill,stop,process-kill,link-down]
         [--json bench/results/fault-trials.json]
 """
 
@@ -39,7 +41,7 @@ import sys
 import time
 
 import numpy as np
-from xreduce_bench.faults import Cluster, NamespaceCluster, footprint
+from xreduce_bench.faults import Cluster, NamespaceCluster, NodeProcess, footprint
 
 PLACEMENT = [0, 0, 1, 1]
 DEVICES = 4
@@ -88,16 +90,26 @@ class Trials:
         self.span = 2.0
         """Seconds the collectives take, about (the calibration sets it): the faults land within it."""
 
-    def fault(self) -> None:
-        if self.mode == "kill":
+    KILLED = len(PLACEMENT) - 1
+    """The process the ``process-kill`` mode kills: the last, on node 1."""
+
+    def fault(self, processes: list) -> None:
+        if self.mode == "process-kill":
+            processes[self.KILLED].signal(signal.SIGKILL)
+        elif self.mode == "kill":
             self.cluster.daemons[1].proc.send_signal(signal.SIGKILL)
         elif self.mode == "stop":
             self.cluster.daemons[1].proc.send_signal(signal.SIGSTOP)
         else:
             self.nodes.cut(self.nodes[2])
 
-    def recover(self) -> None:
-        if self.mode == "link-down":
+    def recover(self, processes: list, steps: list[dict], rejoin: int) -> None:
+        if self.mode == "process-kill":  # a new process in the killed one's place, from the rejoin on
+            p = self.KILLED
+            processes[p].close()
+            processes[p] = NodeProcess(self.cluster.address(PLACEMENT[p]), self.cluster.coordinator, len(PLACEMENT),
+                                       p, steps[rejoin:])
+        elif self.mode == "link-down":
             self.nodes.restore(self.nodes[2])
         else:
             self.cluster.restart(1)
@@ -123,7 +135,7 @@ class Trials:
             if fault:
                 time.sleep(self.rng.uniform(0, 0.8 * self.span))
                 since = time.monotonic()
-                self.fault()
+                self.fault(processes)
                 record["fault_after_s"] = round(since - start, 3)
             survivors = [p for p, node in zip(processes, PLACEMENT) if node == 0]
             bound = self.args.collective_timeout + 30
@@ -131,14 +143,17 @@ class Trials:
                 record.update(self._detection({p.process_id: [p.step(i, bound) for i in range(first, after)]
                                                for p in survivors}, since))
             record["survivor_served"] = _daemon_serves(self.cluster)
+            rejoin = after + 2  # the script's second init
             if fault:
-                self.recover()
+                self.recover(processes, steps, rejoin)
             t = time.monotonic()
             for p in processes:
                 p.go()
-            events = {p.process_id: {e["i"]: e for e in p.steps(180)} for p in processes}
-            record.update(self._outcomes({pid: [steps[i] for i in range(first, after)]
-                                          for pid, steps in events.items()}, elements, since))
+            replaced = self.KILLED if fault and self.mode == "process-kill" else None
+            events = {p.process_id: {e["i"] + (rejoin if p.process_id == replaced else 0): e for e in p.steps(180)}
+                      for p in processes}
+            record.update(self._outcomes({pid: [steps[i] for i in range(first, after)]  # the killed one's are gone
+                                          for pid, steps in events.items() if pid != replaced}, elements, since))
             if not fault:
                 self.span = max(steps[after - 1]["t"] for steps in events.values()) - start
                 record["span_s"] = round(self.span, 3)
@@ -216,7 +231,7 @@ def summarize(records: list[dict], bound: float) -> dict:
 
 def print_trial(r: dict) -> None:
     yes = {True: "yes", False: "NO"}
-    print(f"  {r['mode']:9s} {r['trial']:3d}  fault at {r.get('fault_after_s', 0):5.2f} s  "
+    print(f"  {r['mode']:12s} {r['trial']:3d}  fault at {r.get('fault_after_s', 0):5.2f} s  "
           f"completed {r['completed_collectives']}/{COLLECTIVES}  "
           f"detection {r.get('detection_s', float('nan')):5.2f} s  "
           f"node 0 got {','.join(r.get('survivor_codes', ())) or '-':11s} wrong {r['wrong_results']}  split "
@@ -270,7 +285,8 @@ def distinct_jobs(flags: list[str], count: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="trials per mode (default 20)")
-    ap.add_argument("--modes", default="kill,stop", help="kill, stop, link-down (root); default kill,stop")
+    ap.add_argument("--modes", default="kill,stop,process-kill",
+                    help="kill, stop, process-kill, link-down (root); default kill,stop,process-kill")
     ap.add_argument("--peer-timeout", type=float, default=2.0)
     ap.add_argument("--heartbeat-interval", type=float, default=0.5)
     ap.add_argument("--collective-timeout", type=float, default=30.0)
@@ -280,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="bench/results/fault-trials.json", help="where the results go ('' none)")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ("kill", "stop", "link-down")]
+    unknown = [m for m in modes if m not in ("kill", "stop", "process-kill", "link-down")]
     if unknown:
-        ap.error(f"--modes: kill, stop or link-down; got {args.modes!r}")
+        ap.error(f"--modes: kill, stop, process-kill or link-down; got {args.modes!r}")
     if args.trials < 1 or args.distinct_jobs < 0:
         ap.error(f"--trials must be >= 1 and --distinct-jobs >= 0; got {args.trials} and {args.distinct_jobs}")
     flags = ["--backend", "numpy", "--virtual-devices", str(DEVICES), "--peer-timeout", str(args.peer_timeout),
@@ -302,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         results["modes"][mode] = run_mode(mode, args, flags, rng)
         results["modes"][mode]["summary"] = summarize(results["modes"][mode]["trials"], bound)
     print("\nsummary (node 0 survives; times from the fault)")
-    print(f"  {'mode':9s} {'trials':>6s} {'detected':>8s} {'median s':>8s} {'max s':>6s} {'<= 2xpt':>7s} "
+    print(f"  {'mode':12s} {'trials':>6s} {'detected':>8s} {'median s':>8s} {'max s':>6s} {'<= 2xpt':>7s} "
           f"{'partial':>7s} {'0-only':>6s} {'served':>6s} {'rejoined':>8s} {'rejoin s':>8s}  codes")
     for mode, r in results["modes"].items():
         s = r["summary"]
-        print(f"  {mode:9s} {s['trials']:6d} {s['fault_before_the_end']:8d} {s['detection_median_s'] or 0:8.2f} "
+        print(f"  {mode:12s} {s['trials']:6d} {s['fault_before_the_end']:8d} {s['detection_median_s'] or 0:8.2f} "
               f"{s['detection_max_s'] or 0:6.2f} {s['within_bound']:7d} {s['partial']:7d} "
               f"{s['completed_on_node_0_only']:6d} {s['survivor_served']:6d} "
               f"{s['rejoined']:8d} {s['rejoin_median_s']:8.2f}  node 0: {','.join(s['survivor_codes'])}; "
@@ -314,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nnode 0's daemon (threads, open descriptors, resident MiB), after the warm-up and after the trials")
     for mode, r in results["modes"].items():
         b, a = r["daemon_0_before"], r["daemon_0_after"]
-        print(f"  {mode:9s} threads {b['threads']} -> {a['threads']}  fds {b['fds']} -> {a['fds']}  "
+        print(f"  {mode:12s} threads {b['threads']} -> {a['threads']}  fds {b['fds']} -> {a['fds']}  "
               f"RSS {b['rss_mib']:.1f} -> {a['rss_mib']:.1f} MiB")
     if args.distinct_jobs:
         results["distinct_jobs"] = jobs = distinct_jobs(flags, args.distinct_jobs)

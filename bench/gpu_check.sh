@@ -90,12 +90,17 @@ else
 fi
 "$PY" - <<'EOF' || true
 import importlib
-for name in ("cupy", "numpy", "ml_dtypes", "grpc", "google.protobuf", "pytest", "pytest_timeout"):
+for name in ("cupy", "numpy", "ml_dtypes", "grpc", "google.protobuf", "pytest", "pytest_timeout", "torch"):
     try:
         m = importlib.import_module(name)
         print(f"  {name} {getattr(m, '__version__', '?')}")
     except Exception as e:  # report every missing piece at once
         print(f"  {name}: NOT IMPORTABLE ({type(e).__name__}: {e})")
+try:
+    from cupy.cuda import nccl
+    print(f"  NCCL available {nccl.available}, version {nccl.get_version() if nccl.available else '-'}")
+except Exception as e:
+    print(f"  NCCL: {type(e).__name__}: {e}")
 try:
     import cupy
     rt = cupy.cuda.runtime
