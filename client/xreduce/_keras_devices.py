@@ -17,6 +17,7 @@ from xreduce import _stall
 from xreduce._client import Client
 from xreduce._errors import DeadlineExceededError, UnavailableError, XReduceError
 from xreduce._runtime import ProcessGroup, process_group, set_process_group
+from xreduce._session import Session
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire.devices import DeviceName
 
@@ -292,7 +293,7 @@ class _Membership:
     the session ends before the process leaves (the process died); see ``Peers.session_ended``."""
 
     client: Client
-    session: Any
+    session: Session
 
     @classmethod
     def open(cls, address: str | None, token: str | None, timeout: float) -> _Membership | None:

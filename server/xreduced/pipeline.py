@@ -457,7 +457,6 @@ class CallPipeline(grpc.ServerInterceptor):
                 self._ended_draining += not call.refused_draining
                 self._idle.notify_all()
 
-
     def _record(self, call: Call) -> None:
         self.stats.record(call.method, call.code, call.bytes_in, call.bytes_out, call.seconds)
         log.info("event=call id=%d method=%s bytes_in=%d bytes_out=%d ms=%.3f status=%s",
