@@ -315,7 +315,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         a session (the SDK's ``initialize`` opens one for the group) ties the process to it: if the session ends
         before the process leaves (it exited or was killed), the epoch ends for everyone
         (:meth:`xreduced.peers.Peers.session_ended`)."""
-        session = session_of(context) if hasattr(context, "invocation_metadata") else None
+        session = session_of(context)
         if session is not None and self.regions.session(session) is None:
             raise FailedPrecondition(f"x-xreduce-session: {session[:8]}... is not an open session of this daemon "
                                      "(it was closed, or the daemon restarted); open a new one, or send none")

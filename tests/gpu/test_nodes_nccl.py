@@ -30,6 +30,7 @@ import time
 import numpy as np
 import pytest
 from children import child_env
+from xreduce_bench.faults import free_address
 
 HERE = pathlib.Path(__file__).resolve()
 SHAPE = (1024, 1024)  # float32: 4 MiB per replica
@@ -61,14 +62,6 @@ def _daemons(start_daemon) -> list:
              "60", "--peer-timeout", str(PEER_TIMEOUT), "--heartbeat-interval", "0.5", "--grace-seconds", "1"]
     return [start_daemon(*flags, env={"NCCL_HOSTID": host, "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"},
                          timeout=90) for host in ("node-a", "node-b")]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:
@@ -128,7 +121,7 @@ def _status(daemon) -> tuple[list, str]:
 
 def test_two_nodes_sum_on_nccl(start_daemon):
     daemons = _daemons(start_daemon)
-    job = f"127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
+    job = f"{free_address()},{free_address()}"
     workers = [Worker(d, p, job, "sums") for p, d in enumerate(daemons)]
     try:
         inits = [w.next("ready") for w in workers]
@@ -156,7 +149,7 @@ def test_two_nodes_sum_on_nccl(start_daemon):
 
 def test_a_daemon_killed_during_a_large_collective_fails_the_survivor_within_the_bound(start_daemon):
     daemons = _daemons(start_daemon)
-    job = f"127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
+    job = f"{free_address()},{free_address()}"
     workers = [Worker(d, p, job, "loop") for p, d in enumerate(daemons)]
     try:
         for w in workers:
