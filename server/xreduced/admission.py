@@ -278,6 +278,10 @@ class CollectiveSlots:
             self.leave(key)
 
 
+WORKING_SETS_KEPT = 256
+"""Request shapes whose working set :meth:`Admission.admit` remembers (all forgotten at once when full)."""
+
+
 class Admission:
     """The daemon's limits and what counts against them: the in-flight bytes and the open collectives.
 
@@ -291,6 +295,8 @@ class Admission:
         self.limits = limits or Limits()
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.collectives = CollectiveSlots(self.limits.max_collectives)
+        self._working_sets: dict[tuple[bytes, int], int] = {}
+        """Working sets by request shape and size, for the shapes seen lately."""
 
     @classmethod
     def from_config(cls, config: Config) -> Admission:
@@ -314,10 +320,11 @@ class Admission:
         """
         self.limits.check_request(size, method)
 
-    def admit(self, request, size: int) -> int:
+    def admit(self, request, size: int, shape: bytes | None = None) -> int:
         """Reserves a call's working set (:func:`working_set` of ``request``, ``size``
         serialized bytes) in the in-flight budget; returns the bytes to :meth:`release`
-        once its reply is serialized.
+        once its reply is serialized. A request with a ``shape`` (:func:`xreduced.prepared.shape_of`)
+        seen before reuses its working set: it depends on the shape and the size alone.
 
         Raises:
             LimitExceeded: over ``--max-inflight-bytes``; nothing is reserved.
@@ -330,7 +337,13 @@ class Admission:
             >>> a.release(held); a.inflight.value
             0
         """
-        n = working_set(request, size)
+        n = None if shape is None else self._working_sets.get((shape, size))
+        if n is None:
+            n = working_set(request, size)
+            if shape is not None:
+                if len(self._working_sets) >= WORKING_SETS_KEPT:
+                    self._working_sets.clear()
+                self._working_sets[(shape, size)] = n
         self.inflight.reserve(n, size)
         return n
 

@@ -11,7 +11,10 @@ named none).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -36,6 +39,8 @@ class Contribution:
     out: tuple[Mapping[int, np.ndarray] | None, ...] | None = None
     """Where this process wants its results: one entry per pair, None or destination device -> a
     writable array (see :meth:`Engine.batch_reduce`)."""
+    shape: bytes | None = None
+    """The request's shape (:func:`xreduced.prepared.shape_of`) when it has one: every tensor dense, no ``out``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +90,80 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
             ``process 2 sent float32[10] but process 0 sent float32[12] for
             tensor 3 of collective 17 in group "train"``.
     """
-    check_shares(engine, shares, what)
+    joint = _joint_shape(shares)
+    joints = _joints(engine)
+    checked = joint is not None and joints.seen(joint)
+    if not checked:
+        check_shares(engine, shares, what)
     ref = shares[min(shares)]
     joined, outs = join_shares(engine, shares, what)
     results = engine.batch_reduce(
         ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
         deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
-        out=outs if any(outs) else None,
+        out=outs if any(outs) else None, checked=checked,
     )
+    if joint is not None and not checked:
+        joints.add(joint)  # everything checked passed: the next collective of these shapes skips the checks
     return {
         pid: [share_of(engine, r, dests, None if c.out is None else c.out[t])
               for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
         for pid, c in shares.items()
     }
+
+
+class _Joints:
+    """The processes' request shapes, together, that passed :func:`check_shares` and the engine's checks (the
+    most recent :data:`JOINTS_KEPT`): whatever those checks look at is in the shapes."""
+
+    def __init__(self, kept: int):
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+
+    def seen(self, joint: tuple) -> bool:
+        with self._lock:
+            if joint in self._seen:
+                self._seen.move_to_end(joint)
+                return True
+            return False
+
+    def add(self, joint: tuple) -> None:
+        with self._lock:
+            self._seen[joint] = None
+            while len(self._seen) > self._kept:
+                self._seen.popitem(last=False)
+
+
+JOINTS_KEPT = 256
+"""Joint shapes remembered as checked, per engine."""
+
+_JOINTS: weakref.WeakKeyDictionary[Engine, _Joints] = weakref.WeakKeyDictionary()
+_JOINTS_LOCK = threading.Lock()
+
+
+def _joints(engine: Engine) -> _Joints:
+    """The joint shapes checked on ``engine`` (a daemon's devices and backend decide what passes)."""
+    found = _JOINTS.get(engine)
+    if found is None:
+        with _JOINTS_LOCK:
+            found = _JOINTS.setdefault(engine, _Joints(JOINTS_KEPT))
+    return found
+
+
+def _joint_shape(shares: Mapping[int, Contribution]) -> tuple | None:
+    """Every process's (id, call, request shape), or None when one has no shape (see :attr:`Contribution.shape`).
+
+    Example:
+        >>> _joint_shape({1: Contribution("Reduce", "SUM", 1, "hierarchical_copy", None, (), shape=b"s")})
+        ((1, 'Reduce', b's'),)
+    """
+    joint = []
+    for pid in sorted(shares):
+        c = shares[pid]
+        if c.shape is None:
+            return None
+        joint.append((pid, c.kind, c.shape))
+    return tuple(joint)
 
 
 def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) -> None:
@@ -108,16 +174,11 @@ def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) 
     """
     ref_pid = min(shares)
     ref = shares[ref_pid]
+    ref_options = _options(ref)
     for pid in sorted(shares):
         c = shares[pid]
-        if c.kind != ref.kind:
-            raise InvalidArgument(f"process {pid} called {c.kind} but process {ref_pid} called {ref.kind} for {what}")
-        for field in ("op", "num_packs", "algorithm", "reduce_to"):
-            mine, theirs = getattr(c, field), getattr(ref, field)
-            if mine != theirs:
-                raise InvalidArgument(
-                    f"process {pid} sent {field}={mine!r} but process {ref_pid} sent {field}={theirs!r} for {what}"
-                )
+        if c is not ref and _options(c) != ref_options:
+            _options_differ(pid, c, ref_pid, ref, what)
         if len(c.pairs) != len(ref.pairs):
             raise InvalidArgument(
                 f"process {pid} sent {len(c.pairs)} values but process {ref_pid} sent {len(ref.pairs)} for {what}"
@@ -126,6 +187,8 @@ def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) 
             raise InvalidArgument(f"process {pid}'s out has {len(c.out)} entries for {len(c.pairs)} values of {what}")
         for t, ((_, dests), mine) in enumerate(zip(c.pairs, c.out or ())):
             check_out_devices(engine, mine, dests, f"process {pid}'s out for tensor {t} of {what}")
+        if c is ref:
+            continue
         for t, ((value, _), (ref_value, _)) in enumerate(zip(c.pairs, ref.pairs)):
             mine, theirs = value.arrays[0], ref_value.arrays[0]
             if value.parts != ref_value.parts:
@@ -135,6 +198,23 @@ def check_shares(engine: Engine, shares: Mapping[int, Contribution], what: str) 
                     f"process {pid} sent {_shape(mine)} but process {ref_pid} sent {_shape(theirs)} "
                     f"for tensor {t} of {what}"
                 )
+
+
+def _options(c: Contribution) -> tuple:
+    """What the processes of a collective must call alike, besides the tensors."""
+    return c.kind, c.op, c.num_packs, c.algorithm, c.reduce_to
+
+
+def _options_differ(pid: int, c: Contribution, ref_pid: int, ref: Contribution, what: str) -> None:
+    """Raises the InvalidArgument naming the first of :func:`_options` that two processes disagree on."""
+    if c.kind != ref.kind:
+        raise InvalidArgument(f"process {pid} called {c.kind} but process {ref_pid} called {ref.kind} for {what}")
+    for field in ("op", "num_packs", "algorithm", "reduce_to"):
+        mine, theirs = getattr(c, field), getattr(ref, field)
+        if mine != theirs:
+            raise InvalidArgument(
+                f"process {pid} sent {field}={mine!r} but process {ref_pid} sent {field}={theirs!r} for {what}"
+            )
 
 
 def _parts_differ(pid: int, value: Value, ref_pid: int, ref_value: Value, t: int, what: str) -> str:

@@ -216,6 +216,7 @@ class Engine:
         deadline: Deadline | None = None,
         dest_fields: Sequence[str] | None = None,
         out: Sequence[Mapping[int, np.ndarray] | None] | None = None,
+        checked: bool = False,
     ) -> list[Result]:
         """Reduces every (value, destinations) pair.
 
@@ -236,6 +237,9 @@ class Engine:
             InvalidArgument: see :meth:`validate` and :meth:`routes`; an ``out``
                 entry for a device that is not a destination, or an array of
                 the wrong dtype or shape, or read-only.
+            checked: a batch of dense values without ``out`` whose very shape (devices, dtypes, shapes,
+                destinations, options) the caller has had through this method before, and that passed:
+                the checks are skipped (:func:`xreduced.collective.reduce_together` knows such batches).
 
         Example:
             >>> from xreduced.backends.numpy_backend import NumpyBackend
@@ -246,19 +250,29 @@ class Engine:
             >>> r.arrays[0], r.arrays[1] is mine, mine
             (array([2., 3.]), True, array([2., 3.]))
         """
-        resolved = self.validate(op, pairs, num_packs, dest_fields)
+        if checked and out is None:
+            resolved = [(v, tuple(d) or v.devices) for v, d in pairs]
+        else:
+            resolved = self.validate(op, pairs, num_packs, dest_fields)
+            checked = False
         if not resolved:
             return []
-        self._check_algorithm(resolved, algorithm)
-        sparse = [i for i, (v, _) in enumerate(resolved) if is_sparse(v)]
-        if sparse:
-            return self._split_by_sparsity(op, resolved, sparse, num_packs=num_packs, algorithm=algorithm,
-                                           reduce_to=reduce_to, deadline=deadline, dest_fields=dest_fields, out=out)
-        routes = self._routes(resolved, algorithm, num_packs)
-        outs = self._check_outs(op, resolved, routes, out)
+        if not checked:
+            self._check_algorithm(resolved, algorithm)
+            sparse = [i for i, (v, _) in enumerate(resolved) if is_sparse(v)]
+            if sparse:
+                return self._split_by_sparsity(op, resolved, sparse, num_packs=num_packs, algorithm=algorithm,
+                                               reduce_to=reduce_to, deadline=deadline, dest_fields=dest_fields,
+                                               out=out)
+        together = algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved)
+        if checked and together:
+            outs = [None] * len(resolved)
+        else:
+            routes = self._routes(resolved, algorithm, num_packs, together)
+            outs = self._check_outs(op, resolved, routes, out)
         deadline = deadline or Deadline(None)
         mean = op == MEAN
-        if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
+        if together:
             return self._all_reduce([v for v, _ in resolved], outs, mean, num_packs, deadline, algorithm)
         if algorithm != planner.REDUCTION_TO_ONE_DEVICE:
             reduce_to = None  # a pair that falls back to reduction to one device sums on its first destination
@@ -364,13 +378,17 @@ class Engine:
         ref = set(resolved[0][0].devices)
         return all(set(d) == set(v.devices) == ref for v, d in resolved)
 
-    def _routes(self, resolved, algorithm: str, num_packs: int) -> list[str]:
+    def _routes(self, resolved, algorithm: str, num_packs: int, together: bool | None = None) -> list[str]:
+        """Each pair's route; ``together`` is :meth:`_together`'s answer for a batch without sparse values,
+        when the caller has it."""
         sparse = {i for i, (v, _) in enumerate(resolved) if is_sparse(v)}
         if sparse:
             dense = iter(self._routes([p for i, p in enumerate(resolved) if i not in sparse], algorithm, num_packs)
                          if len(sparse) < len(resolved) else ())
             return [_sparse_route(*p) if i in sparse else next(dense) for i, p in enumerate(resolved)]
-        if algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved):
+        if together is None:
+            together = algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved)
+        if together:
             if len(resolved[0][0].devices) > 1 and num_packs > 0:
                 _check_one_dtype([v for v, _ in resolved], num_packs)
         routes = []

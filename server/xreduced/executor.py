@@ -29,7 +29,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,11 +71,19 @@ class Deadline:
         """Seconds left, or None when unbounded."""
         return None if self._at is None else self._at - time.monotonic()
 
-    def check(self, what: str) -> None:
-        """Raises :class:`DeadlineExceeded` naming ``what`` once time is up."""
-        left = self.remaining()
-        if left is not None and left <= 0:
-            raise DeadlineExceeded(f"timed out after {self.seconds:g} s while {what}")
+    def check(self, what: str | Callable[[], str]) -> None:
+        """Raises :class:`DeadlineExceeded` naming ``what`` (or what ``what()`` says: a message made only
+        when time is up) once time is up.
+
+        Example:
+            >>> Deadline(0.0).check(lambda: "summing")
+            Traceback (most recent call last):
+            ...
+            xreduced.errors.DeadlineExceeded: timed out after 0 s while summing
+        """
+        if self._at is not None and time.monotonic() >= self._at:
+            doing = what if isinstance(what, str) else what()
+            raise DeadlineExceeded(f"timed out after {self.seconds:g} s while {doing}")
 
 
 def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str,
@@ -168,7 +176,9 @@ def _targets(plan: Plan, templates: Sequence[np.ndarray], mean: bool, out: Out |
              backend: Backend | None = None) -> dict[int, list[np.ndarray]]:
     """The array each result goes into: the caller's, checked, else a fresh one."""
     dtypes = [mean_dtype(a.dtype) if mean else a.dtype for a in templates]
-    given = out or {}
+    if not out:
+        return {d: [np.empty(a.shape, dt) for a, dt in zip(templates, dtypes)] for d in plan.destinations}
+    given = out
     for d in given:
         if d not in plan.destinations:
             raise InvalidArgument(f"out[{d}]: device {d} is not a destination; the destinations are "
@@ -356,9 +366,12 @@ def execute_fused(
     templates = list(inputs[0])
     targets = _targets(plan, templates, mean, out)
     # One flat view per input and per target; ravel copies an input only when it is not C-contiguous.
-    sources = [[np.ravel(a) for a in component] for component in inputs]
-    sinks = {d: [a if a.flags.c_contiguous else np.empty(a.shape, a.dtype) for a in arrays]
-             for d, arrays in targets.items()}
+    sources = [[a.ravel() for a in component] for component in inputs]
+    if out:  # the caller's arrays may be views that are not contiguous: those are written through a copy
+        sinks = {d: [a if a.flags.c_contiguous else np.empty(a.shape, a.dtype) for a in arrays]
+                 for d, arrays in targets.items()}
+    else:
+        sinks = targets
     flat_sinks = {d: [a.reshape(-1) for a in arrays] for d, arrays in sinks.items()}
     programs = _programs(plan)
     units = []  # (pack, program, tensor, start, stop): one chunk of one segment
@@ -377,10 +390,11 @@ def execute_fused(
         run(units)
     else:
         run.parallel(units, threads)
-    for d, arrays in targets.items():
-        for dst, sink in zip(arrays, sinks[d]):
-            if sink is not dst:
-                np.copyto(dst, sink)
+    if sinks is not targets:
+        for d, arrays in targets.items():
+            for dst, sink in zip(arrays, sinks[d]):
+                if sink is not dst:
+                    np.copyto(dst, sink)
     return targets
 
 
@@ -389,18 +403,23 @@ class _Runner:
 
     def __init__(self, plan, sources, sinks, mean, deadline):
         self.plan, self.sources, self.sinks, self.mean, self.deadline = plan, sources, sinks, mean, deadline
-        self.failed = threading.Event()
+        self.failed = False
+        """Set by a thread that failed: the others stop at their next chunk."""
 
     def __call__(self, units) -> None:
         scratch: dict[tuple[int, np.dtype], np.ndarray] = {}  # this thread's, reused chunk after chunk
         n = len(self.plan.devices)
         for pack, program, t, start, stop in units:
-            if self.failed.is_set():
+            if self.failed:
                 return
-            self.deadline.check(f"reducing pack {pack.index} of {len(self.plan.packs)}")
-            inputs = [src[t][start:stop] for src in self.sources]
+            self.deadline.check(lambda: f"reducing pack {pack.index} of {len(self.plan.packs)}")  # noqa: B023
+            if start == 0 and stop == len(self.sources[0][t]):  # the whole tensor: no views to make
+                inputs = [src[t] for src in self.sources]
+                sinks = [self.sinks[d][t] for d in self.plan.destinations]
+            else:
+                inputs = [src[t][start:stop] for src in self.sources]
+                sinks = [self.sinks[d][t][start:stop] for d in self.plan.destinations]
             dtype = inputs[0].dtype
-            sinks = [self.sinks[d][t][start:stop] for d in self.plan.destinations]
             # The sum that is a result goes straight into the first destination that takes it (and a float
             # MEAN divides it there, in place): no scratch write and read, no array made per chunk.
             direct = {}
@@ -459,7 +478,7 @@ class _Runner:
         try:
             self(units)
         except BaseException:
-            self.failed.set()  # the other threads stop at their next chunk
+            self.failed = True  # the other threads stop at their next chunk
             raise
 
 

@@ -53,6 +53,7 @@ from xreduced.deferred import Deferred
 from xreduced.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from xreduced.memory import TRIM_BYTES, trim_malloc
 from xreduced.metrics import Stats
+from xreduced.prepared import SHAPED_METHODS, shape_of
 from xreduced.regions import CallRegions, RegionTable, session_of
 
 log = logging.getLogger("xreduced.calls")
@@ -101,6 +102,8 @@ class Call:
     """How long the call took, once it has ended."""
     refused_draining: bool = False
     """The call came while the daemon was stopping: it is refused."""
+    shape: bytes | None = None
+    """The request's shape (:func:`xreduced.prepared.shape_of`), for a small ``Reduce`` or ``BatchReduce``."""
 
     @property
     def name(self) -> str:
@@ -394,8 +397,10 @@ class CallPipeline(grpc.ServerInterceptor):
         if request.error is not None:
             raise InvalidArgument(request.error)
         if not streams[1] and call.method.startswith(METHOD_PREFIX):
+            if call.method in SHAPED_METHODS:
+                call.shape = shape_of(request.message, request.size)
             try:
-                call.held = self.admission.admit(request.message, request.size)
+                call.held = self.admission.admit(request.message, request.size, call.shape)
             except LimitExceeded as e:
                 if self.refused is not None:
                     self.refused(request.message, e)
@@ -410,13 +415,8 @@ class CallPipeline(grpc.ServerInterceptor):
                 raise InvalidArgument(incoming.error)
             yield incoming.message
 
-    @contextlib.contextmanager
-    def _current(self, call: Call) -> Iterator[None]:
-        token = _CURRENT.set(call)
-        try:
-            yield
-        finally:
-            _CURRENT.reset(token)
+    def _current(self, call: Call) -> _Current:
+        return _Current(call)
 
     def _answer(self, call: Call, context, error: Exception) -> None:
         """Ends the call with the status ``error`` stands for (step 7), by raising as ``context.abort``
@@ -463,6 +463,23 @@ class CallPipeline(grpc.ServerInterceptor):
                  call.id, call.method, call.bytes_in, call.bytes_out, call.seconds * 1e3, call.code)
         if call.bytes_in + call.bytes_out >= TRIM_BYTES:
             trim_malloc()
+
+
+class _Current:
+    """Makes ``call`` the current call (:func:`current_call`) within a ``with`` block; a class, not a generator,
+    as every call enters it."""
+
+    __slots__ = ("call", "token")
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.token = None
+
+    def __enter__(self) -> None:
+        self.token = _CURRENT.set(self.call)
+
+    def __exit__(self, *_) -> None:
+        _CURRENT.reset(self.token)
 
 
 _DONE = object()

@@ -16,6 +16,7 @@ import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -36,6 +37,7 @@ from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFou
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
+from xreduced.prepared import PreparedCalls
 from xreduced.region_service import RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Rendezvous
@@ -76,6 +78,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.collective_timeout = collective_timeout
         self.config = config or Config()
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
+        self.prepared = PreparedCalls()
+        """The request shapes validated before (:mod:`xreduced.prepared`)."""
         self.admission = Admission.from_config(self.config)
         self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.rendezvous.pending)
         backend = engine.backend
@@ -166,14 +170,14 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             >>> codec.decode(reply.result.components[1].tensor)
             array([2., 2.], dtype=float32)
         """
-        encoding = decode.encoding([request.value])
+        encoding = _encoding(request, lambda: [request.value])
 
         def reply(reduced):
             (result,), (slots,) = reduced
             return pb.ReduceResponse(result=self._encode(result, encoding, slots), route=decode.ROUTES[result.route])
 
-        return then(self._reduce("Reduce", request, context, [(request.value, request.destinations)], ["value"],
-                                 ["destinations"]), reply)
+        return self._reduce("Reduce", request, context, lambda: (
+            [(request.value, request.destinations)], ["value"], ["destinations"]), reply)
 
     def BatchReduce(self, request, context):
         """Reduces each pair's value onto its destinations, in one call.
@@ -190,7 +194,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             >>> [codec.decode(r.result.components[0].tensor) for r in reply.results]
             [array([0. , 0.5])]
         """
-        encoding = decode.encoding([p.value for p in request.pairs])
+        encoding = _encoding(request, lambda: [p.value for p in request.pairs])
         n = len(request.pairs)
 
         def reply(reduced):
@@ -200,8 +204,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 for r, s in zip(results, slots)
             ])
 
-        return then(self._reduce(
-            "BatchReduce", request, context, [(p.value, p.destinations) for p in request.pairs],
+        return self._reduce("BatchReduce", request, context, lambda: (
+            [(p.value, p.destinations) for p in request.pairs],
             [f"pairs[{i}].value" for i in range(n)], [f"pairs[{i}].destinations" for i in range(n)],
         ), reply)
 
@@ -430,20 +434,34 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             if group is not None:
                 self._fail_for_others(group, error)
 
-    def _reduce(self, kind, request, context, raw_pairs, value_fields, dest_fields
-                ) -> tuple[list[Result], list[dict[int, decode.Slot] | None]] | Deferred:
-        """(results, slots) of a reduction; a :class:`~xreduced.deferred.Deferred` of them for a lane call
-        that waits for the other processes of its collective."""
+    def _reduce(self, kind, request, context, describe: Callable[[], tuple[list, list[str], list[str]]],
+                reply: Callable[[tuple[list[Result], list[dict[int, decode.Slot] | None]]], Any]) -> Any:
+        """``reply((results, slots))`` of a reduction; a :class:`~xreduced.deferred.Deferred` of it for a lane
+        call that waits for the other processes of its collective. ``describe()`` says the request's
+        (value, destinations) pairs and their fields' names; a request of a shape validated before
+        (:mod:`xreduced.prepared`) never asks."""
         group = decode.group(request)
-        regions = _regions()
+        call = current_call()
+        regions = None if call is None else call.regions
+        shape = None if call is None else call.shape
+        prepared = self.prepared.get(shape)
         with self._failing(group):
-            op = decode.op(request.reduce_op)
-            options = decode.options(request, self.devices, self._deadline(request, context, group))
-            pairs = [
-                (decode.value(v, vf, self.devices, regions), decode.devices(d, df, self.devices))
-                for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
-            ]
-            resolved = self.engine.validate(op, pairs, options.num_packs, dest_fields)
+            deadline = self._deadline(request, context, group)
+            if prepared is not None:  # a shape validated before: only the tensors' bytes are new
+                op, dest_fields = prepared.op, prepared.dest_fields
+                options = decode.Options(prepared.num_packs, prepared.algorithm, prepared.reduce_to, deadline)
+                pairs, resolved = prepared.decode(request)
+            else:
+                raw_pairs, value_fields, dest_fields = describe()
+                op = decode.op(request.reduce_op)
+                options = decode.options(request, self.devices, deadline)
+                pairs = [
+                    (decode.value(v, vf, self.devices, regions), decode.devices(d, df, self.devices))
+                    for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
+                ]
+                resolved = self.engine.validate(op, pairs, options.num_packs, dest_fields)
+                self.prepared.remember(shape, op, options.num_packs, options.algorithm, options.reduce_to, pairs,
+                                       resolved, dest_fields)
             slots = [None] * len(resolved)
             if request.HasField("output"):
                 for (value, _), field in zip(resolved, value_fields):
@@ -460,11 +478,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         outs = [decode.views(s) for s in slots]
         replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
         if group is None:
-            return self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
+            return reply((self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
                 op, pairs, num_packs=options.num_packs, algorithm=options.algorithm, reduce_to=options.reduce_to,
-                deadline=options.deadline, dest_fields=dest_fields, out=outs)), slots
+                deadline=options.deadline, dest_fields=dest_fields, out=outs)), slots))
         share = Contribution(kind, op, options.num_packs, options.algorithm, options.reduce_to, tuple(resolved),
-                             out=tuple(outs))
+                             out=tuple(outs), shape=shape)
         deadline = options.deadline
         cluster = self._cluster(group)
         if cluster is not None and cluster.spans_nodes:
@@ -476,7 +494,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         result = self._meet(group, share, deadline, context,
                             lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster,
                             deferrable=True)
-        return then(result, lambda r: (r, slots))
+        return then(result, lambda r: reply((r, slots)))
 
     def _cluster(self, group: decode.Group | None) -> ClusterGroup | None:
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""
@@ -545,15 +563,10 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.stats.observe_reduction(METHOD_PREFIX + kind, time.perf_counter() - start, replica_bytes)
         return result
 
-    @contextlib.contextmanager
-    def _failing(self, group: decode.Group | None):
-        """A collective whose member sent a bad request fails for every member."""
-        try:
-            yield
-        except (ServiceError, codec.CodecError) as e:
-            if group is not None:
-                self._fail_for_others(group, e)
-            raise
+    def _failing(self, group: decode.Group | None) -> _Failing:
+        """A ``with`` block in which a member's bad request (a service or codec error) fails the collective for
+        every member."""
+        return _Failing(self, group)
 
     def _deadline(self, request, context, group: decode.Group | None) -> Deadline:
         return decode.deadline(request, decode.call_deadline(context),
@@ -579,6 +592,23 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return pb.DistributedValue(components=components)
 
 
+class _Failing:
+    """See :meth:`CrossDeviceOpsService._failing`; a class, not a generator, as every call enters it."""
+
+    __slots__ = ("service", "group")
+
+    def __init__(self, service: CrossDeviceOpsService, group: decode.Group | None):
+        self.service, self.group = service, group
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if self.group is not None and isinstance(error, (ServiceError, codec.CodecError)):
+            self.service._fail_for_others(self.group, error)
+        return False
+
+
 def _global_name(short: str, node: int, across: bool) -> str:
     """A device's name in a group's global list: ``/job:worker/replica:0/task:<node>/...`` across nodes.
 
@@ -590,6 +620,15 @@ def _global_name(short: str, node: int, across: bool) -> str:
     if across:
         name = dataclasses.replace(name, job="worker", task=node)
     return name.canonical
+
+
+def _encoding(request, values: Callable[[], list[pb.DistributedValue]]) -> str:
+    """The encoding a reply answers in: raw for a request with a shape (:func:`xreduced.prepared.shape_of` has
+    seen no typed values), else what :func:`xreduced.decode.encoding` finds in ``values()``."""
+    call = current_call()
+    if call is not None and call.shape is not None:
+        return codec.RAW
+    return decode.encoding(values())
 
 
 def _regions() -> CallRegions | None:

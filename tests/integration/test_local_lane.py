@@ -294,6 +294,25 @@ def test_the_cores_benchmark_runs():
     assert "free (every core)" in out.stdout and "confined to core" in out.stdout, out.stdout
     assert re.search(r"one core / free: time [\d.]+, daemon CPU [\d.]+$", out.stdout.strip()), out.stdout
 
+
+def test_the_work_count_and_the_turns_benchmark_run():
+    """bench/lane_work.py and bench/lane_ab.py, briefly: both sides counted, both systems timed in turns with
+    checked sums (the figures are the note's, not asserted here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    work = subprocess.run([sys.executable, str(root / "bench" / "lane_work.py"), "--iters", "20", "--top", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert work.returncode == 0, work.stderr
+    assert re.search(r"^daemon lane thread: \d+ instructions per all-reduce", work.stdout, re.M), work.stdout
+    assert re.search(r"^SDK process 0: \d+ instructions per call", work.stdout, re.M), work.stdout
+    turns = subprocess.run([sys.executable, str(root / "bench" / "lane_ab.py"), str(root), "echo", "--blocks", "2",
+                            "--iters", "10"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert turns.returncode == 0, turns.stderr
+    assert re.search(r"echo: [\d.]+ us +median block ratio [\d.]+", turns.stdout), turns.stdout
+
 FORK_SCRIPT = r"""
 import os, sys, numpy as np
 from xreduce import distribute

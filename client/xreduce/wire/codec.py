@@ -114,7 +114,7 @@ def encode(array: np.ndarray, encoding: str = RAW) -> pb.Tensor:
     array = np.asarray(array)
     if encoding == RAW:
         return pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape,
-                         raw_data=np.ascontiguousarray(array).astype(_little(array.dtype), copy=False).tobytes())
+                         raw_data=np.ascontiguousarray(array).astype(little_endian(array.dtype), copy=False).tobytes())
     out = pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape)
     kind = array.dtype.kind
     flat = array.reshape(-1)
@@ -174,7 +174,7 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
         want = count * dtype.itemsize
         if len(raw) != want:
             raise CodecError(f"{field}.raw_data: {len(raw)} bytes for {dtype.name}{list(shape)}, expected {want}")
-        return _reshape(np.frombuffer(raw, _little(dtype)).astype(dtype, copy=False), shape, field)
+        return _reshape(np.frombuffer(raw, little_endian(dtype)).astype(dtype, copy=False), shape, field)
     label = f"{dtype.name}{list(shape)}"
     present = [
         name
@@ -189,8 +189,13 @@ def decode(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
 _LITTLE: dict[np.dtype, np.dtype] = {}
 
 
-def _little(dtype: np.dtype) -> np.dtype:
-    """``dtype`` in little-endian order (the wire's), remembered: ``newbyteorder`` is slow."""
+def little_endian(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in little-endian order (the wire's), remembered: ``newbyteorder`` is slow.
+
+    Example:
+        >>> little_endian(np.dtype(">i4")).str
+        '<i4'
+    """
     found = _LITTLE.get(dtype)
     if found is None:
         found = _LITTLE[dtype] = dtype.newbyteorder("<")
