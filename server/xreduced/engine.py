@@ -232,14 +232,14 @@ class Engine:
                 except on the identity route) and the value's shape. Results go
                 straight into those arrays, and the pair's :class:`Result`
                 holds them; destinations it leaves out get fresh arrays.
+            checked: a batch of dense values without ``out`` whose very shape (devices, dtypes, shapes,
+                destinations, options) the caller has had through this method before, and that passed:
+                the checks are skipped (:func:`xreduced.collective.reduce_together` knows such batches).
 
         Raises:
             InvalidArgument: see :meth:`validate` and :meth:`routes`; an ``out``
                 entry for a device that is not a destination, or an array of
                 the wrong dtype or shape, or read-only.
-            checked: a batch of dense values without ``out`` whose very shape (devices, dtypes, shapes,
-                destinations, options) the caller has had through this method before, and that passed:
-                the checks are skipped (:func:`xreduced.collective.reduce_together` knows such batches).
 
         Example:
             >>> from xreduced.backends.numpy_backend import NumpyBackend

@@ -170,7 +170,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             >>> codec.decode(reply.result.components[1].tensor)
             array([2., 2.], dtype=float32)
         """
-        encoding = _encoding(request, lambda: [request.value])
+        encoding = _encoding(lambda: [request.value])
 
         def reply(reduced):
             (result,), (slots,) = reduced
@@ -194,7 +194,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             >>> [codec.decode(r.result.components[0].tensor) for r in reply.results]
             [array([0. , 0.5])]
         """
-        encoding = _encoding(request, lambda: [p.value for p in request.pairs])
+        encoding = _encoding(lambda: [p.value for p in request.pairs])
         n = len(request.pairs)
 
         def reply(reduced):
@@ -622,7 +622,7 @@ def _global_name(short: str, node: int, across: bool) -> str:
     return name.canonical
 
 
-def _encoding(request, values: Callable[[], list[pb.DistributedValue]]) -> str:
+def _encoding(values: Callable[[], list[pb.DistributedValue]]) -> str:
     """The encoding a reply answers in: raw for a request with a shape (:func:`xreduced.prepared.shape_of` has
     seen no typed values), else what :func:`xreduced.decode.encoding` finds in ``values()``."""
     call = current_call()
