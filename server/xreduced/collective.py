@@ -11,7 +11,6 @@ named none).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import weakref
@@ -23,6 +22,7 @@ from xreduce.wire.sparse import Slices
 from xreduced.engine import Engine, Result, Value
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Deadline
+from xreduced.prepared import Recent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
     """
     joint = _joint_shape(shares)
     joints = _joints(engine)
-    checked = joint is not None and joints.seen(joint)
+    checked = joint is not None and joints.get(joint) is not None
     if not checked:
         check_shares(engine, shares, what)
     ref = shares[min(shares)]
@@ -103,7 +103,7 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
         out=outs if any(outs) else None, checked=checked,
     )
     if joint is not None and not checked:
-        joints.add(joint)  # everything checked passed: the next collective of these shapes skips the checks
+        joints.put(joint, True)  # everything checked passed: the next collective of these shapes skips the checks
     return {
         pid: [share_of(engine, r, dests, None if c.out is None else c.out[t])
               for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
@@ -111,42 +111,21 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
     }
 
 
-class _Joints:
-    """The processes' request shapes, together, that passed :func:`check_shares` and the engine's checks (the
-    most recent :data:`JOINTS_KEPT`): whatever those checks look at is in the shapes."""
-
-    def __init__(self, kept: int):
-        self._kept = kept
-        self._lock = threading.Lock()
-        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
-
-    def seen(self, joint: tuple) -> bool:
-        with self._lock:
-            if joint in self._seen:
-                self._seen.move_to_end(joint)
-                return True
-            return False
-
-    def add(self, joint: tuple) -> None:
-        with self._lock:
-            self._seen[joint] = None
-            while len(self._seen) > self._kept:
-                self._seen.popitem(last=False)
-
-
 JOINTS_KEPT = 256
 """Joint shapes remembered as checked, per engine."""
 
-_JOINTS: weakref.WeakKeyDictionary[Engine, _Joints] = weakref.WeakKeyDictionary()
+_JOINTS: weakref.WeakKeyDictionary[Engine, Recent[tuple, bool]] = weakref.WeakKeyDictionary()
 _JOINTS_LOCK = threading.Lock()
 
 
-def _joints(engine: Engine) -> _Joints:
-    """The joint shapes checked on ``engine`` (a daemon's devices and backend decide what passes)."""
+def _joints(engine: Engine) -> Recent[tuple, bool]:
+    """The processes' request shapes, together, that passed :func:`check_shares` and the engine's checks on
+    ``engine`` (a daemon's devices and backend decide what passes): whatever those checks look at is in the
+    shapes."""
     found = _JOINTS.get(engine)
     if found is None:
         with _JOINTS_LOCK:
-            found = _JOINTS.setdefault(engine, _Joints(JOINTS_KEPT))
+            found = _JOINTS.setdefault(engine, Recent(JOINTS_KEPT))
     return found
 
 

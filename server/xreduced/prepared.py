@@ -39,7 +39,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 from xreduce.v1 import xreduce_pb2 as pb
@@ -53,6 +54,9 @@ full path, whose cost their data dwarfs anyway."""
 
 PREPARED_KEPT = 256
 """Shapes remembered; the least recently used is forgotten first."""
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 _MAX_KEY_BYTES = 4096
 """A shape this long (many pairs or components) is not remembered: the memory stays under a megabyte."""
@@ -156,6 +160,42 @@ def shape_of(request, size: int) -> bytes | None:
     return key if len(key) <= _MAX_KEY_BYTES else None
 
 
+class Recent(Generic[K, V]):
+    """A map shared by threads that keeps at most ``kept`` keys, the least recently used forgotten first.
+
+    Example:
+        >>> recent = Recent(2)
+        >>> recent.put("a", 1); recent.put("b", 2); recent.get("a"); recent.put("c", 3)
+        1
+        >>> recent.get("b") is None, len(recent)
+        (True, 2)
+    """
+
+    def __init__(self, kept: int):
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict[K, V] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: K) -> V | None:
+        """The value kept for ``key`` (now the most recently used), or None."""
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def put(self, key: K, value: V) -> None:
+        """Keeps ``value`` for ``key``, forgetting the least recently used keys over ``kept``."""
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._kept:
+                self._items.popitem(last=False)
+
+
 class PreparedCalls:
     """The shapes remembered, shared by the service's threads.
 
@@ -165,22 +205,14 @@ class PreparedCalls:
     """
 
     def __init__(self, kept: int = PREPARED_KEPT):
-        self._kept = kept
-        self._lock = threading.Lock()
-        self._shapes: collections.OrderedDict[bytes, Prepared] = collections.OrderedDict()
+        self._shapes: Recent[bytes, Prepared] = Recent(kept)
 
     def __len__(self) -> int:
         return len(self._shapes)
 
     def get(self, key: bytes | None) -> Prepared | None:
         """What validating requests of shape ``key`` found, or None."""
-        if key is None:
-            return None
-        with self._lock:
-            found = self._shapes.get(key)
-            if found is not None:
-                self._shapes.move_to_end(key)
-            return found
+        return None if key is None else self._shapes.get(key)
 
     def remember(self, key: bytes | None, op: str, num_packs: int, algorithm: str, reduce_to: int | None,
                  pairs: Sequence[tuple[Value, tuple[int, ...]]], resolved: Sequence[tuple[Value, tuple[int, ...]]],
@@ -201,9 +233,4 @@ class PreparedCalls:
                                        f"{value.field}.components[{p}].tensor"))
             prepared_pairs.append(_Pair(value.devices, tuple(destinations), tuple(resolved_dests), value.field,
                                         value.parts, tuple(tensors)))
-        prepared = Prepared(op, num_packs, algorithm, reduce_to, prepared_pairs, dest_fields)
-        with self._lock:
-            self._shapes[key] = prepared
-            self._shapes.move_to_end(key)
-            while len(self._shapes) > self._kept:
-                self._shapes.popitem(last=False)
+        self._shapes.put(key, Prepared(op, num_packs, algorithm, reduce_to, prepared_pairs, dest_fields))
