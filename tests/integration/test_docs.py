@@ -207,7 +207,7 @@ def _run(command: Command, env: dict[str, str], cwd: pathlib.Path = ROOT) -> str
     try:
         if command.interrupt_after is not None:
             deadline = time.monotonic() + TIMEOUT
-            while len(printed) < command.interrupt_after and proc.poll() is None and time.monotonic() < deadline:
+            while not _shown(command, printed) and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: to the foreground process group
         proc.wait(TIMEOUT)
@@ -217,6 +217,18 @@ def _run(command: Command, env: dict[str, str], cwd: pathlib.Path = ROOT) -> str
             proc.wait()
         reader.join(TIMEOUT)
     return "".join(printed)
+
+
+def _shown(command: Command, printed: list[str]) -> bool:
+    """Whether the command has printed what the block shows before its ``^C``: as many lines, the last of
+    them among them (a program may print lines the block leaves to an ellipsis, e.g. the daemon's lane)."""
+    if len(printed) < command.interrupt_after:
+        return False
+    if not command.interrupt_after:
+        return True
+    last = command.want[command.interrupt_after - 1].rstrip() + "\n"
+    checker = doctest.OutputChecker()
+    return any(checker.check_output(last, line.rstrip() + "\n", doctest.ELLIPSIS) for line in list(printed))
 
 
 def _check(command: Command, got: str, path: pathlib.Path) -> None:
