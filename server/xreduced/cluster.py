@@ -77,6 +77,10 @@ class ClusterGroup:
         """This node's processes that have left the group (LeaveGroup)."""
         self._beat, self._report = beat, report
         self._lock = threading.Condition()
+        self._reported: threading.Event | None = None
+        """Set once this node's report of the epoch's end is through (when it made one): :meth:`close` waits
+        for it, so the coordinator hears the report before the attendance stream closes (which it would take
+        for this node's loss)."""
         self._next = 0  # the next sequence number to enter the engine
         self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xreduced-engine")
         self._closed = threading.Event()
@@ -126,6 +130,8 @@ class ClusterGroup:
             self.reason, self.lost = reason, list(lost)
             self.coordinator_lost = coordinator
             self.failed.set()
+            if report:
+                self._reported = threading.Event()
             self._lock.notify_all()
         log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
         self._close_engines()  # lets their connections go (a call waiting on a peer ends by its timeout, or aborts)
@@ -133,6 +139,7 @@ class ClusterGroup:
         if report:
             with contextlib.suppress(Exception):  # the coordinator may be what was lost
                 self._report(reason, list(process_ids))
+            self._reported.set()
 
     def error(self) -> ServiceError:
         """The error every collective of this failed epoch gets."""
@@ -179,8 +186,13 @@ class ClusterGroup:
             pass  # closed here, or the coordinator is gone: the heartbeats tell which, within the peer timeout
 
     def close(self) -> None:
-        """Stops the heartbeats, the attendance stream and the engine; waits for nothing."""
+        """Stops the heartbeats, the attendance stream and the engine; waits only for a report of the epoch's
+        end in flight (another thread's :meth:`fail`), which its own timeout bounds."""
         self._closed.set()
+        with self._lock:
+            reported = self._reported
+        if reported is not None:
+            reported.wait(self.peer_timeout)  # the report ends by its own timeout first
         if self._stream is not None:
             self._stream.cancel()
         self._close_engines()

@@ -530,7 +530,9 @@ class CoordinatorServer:
         self._server.start()
         log.info("event=coordinator_serving address=%s", address)
 
-    def stop(self) -> None:
-        """Stops serving at once."""
+    def stop(self, grace: float | None = None) -> None:
+        """Stops serving: new calls are refused at once (and the address is free again); with ``grace``, the
+        calls in flight have that many seconds to finish, so an attendance stream still delivers the end of
+        the epoch that made the coordinator idle. Returns at once either way."""
         self.coordinator.close()
-        self._server.stop(None)
+        self._server.stop(grace)

@@ -356,8 +356,8 @@ class Peers:
             idle = [a for a, server in self._servers.items() if a not in used and not server.coordinator.busy()]
             servers = [self._servers.pop(a) for a in idle]
             channels = [self._channels.pop(a)[0] for a in list(self._channels) if a not in used]
-        for server in servers:
-            server.stop()
+        for server in servers:  # the other nodes' streams still hear how the epoch ended
+            server.stop(grace=server.coordinator.heartbeat_interval)
             log.info("event=coordinator_stopped address=%s", server.address)
         for channel in channels:
             channel.close()

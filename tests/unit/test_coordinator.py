@@ -184,3 +184,30 @@ def test_a_restarted_coordinator_numbers_its_epoch_above_any_a_node_has_seen(coo
     for t in threads:
         t.join()
     assert out[0].epoch == out[1].epoch == 6
+
+
+def test_a_coordinator_stopped_with_grace_still_tells_an_open_stream_how_the_epoch_ended():
+    """A daemon stops its coordinator as soon as no epoch stands there (its last process was killed): the other
+    nodes' attendance streams still carry the end and its reason, instead of a closed connection that they
+    would take for the coordinator's loss after the peer timeout."""
+    import grpc
+    from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
+    from xreduced.config import Config
+    from xreduced.coordinator import CoordinatorServer
+
+    c = Coordinator(lambda name: f"{name}@here:1", peer_timeout=5.0, heartbeat_interval=1.0)
+    server = CoordinatorServer("127.0.0.1:0", c, Config())
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        register_all(c, [(0, node("a"), []), (1, node("b"), [])])
+        stream = pb_grpc.PeersStub(channel).Attend(pb.AttendRequest(group="job@here:1", epoch=1, node_id="b"),
+                                                   timeout=10)
+        assert next(stream).state.ok
+        with c._lock:  # the stream's thread wakes only once the server is stopping
+            c.report_failure("job@here:1", 1, "a", "process 0 on node 0 ended without leaving the group", [0])
+            server.stop(grace=c.heartbeat_interval)
+        last = next(stream).state
+        assert not last.ok and "process 0 on node 0 ended" in last.reason, last
+    finally:
+        server.stop()
+        channel.close()
