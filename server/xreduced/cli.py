@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,16 +62,42 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 """The daemon's log lines: time, level, logger, then ``event=... key=value ...``."""
 
 
+class LineFormatter(logging.Formatter):
+    """:data:`LOG_FORMAT`'s formatter, whose time is the default's to the character, its date and clock part
+    made once a second instead of once a line (every call writes a line).
+
+    Example:
+        >>> record = logging.makeLogRecord({"msg": "event=x", "levelname": "INFO", "name": "xreduced",
+        ...                                 "created": 1700000000.25, "msecs": 250.0})
+        >>> LineFormatter(LOG_FORMAT).format(record) == logging.Formatter(LOG_FORMAT).format(record)
+        True
+    """
+
+    _second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None or self.default_msec_format is None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        cached = self._second
+        if cached[0] != second:
+            cached = self._second = (second, time.strftime(self.default_time_format, self.converter(record.created)))
+        return self.default_msec_format % (cached[1], record.msecs)
+
+
 def configure_logging(level: str, stream) -> None:
     """The daemon's logging, in its own process: :data:`LOG_FORMAT` at ``level`` to ``stream``.
 
     Every call writes a log line (``event=call``), and the format names no source line, thread or
-    process, so records skip looking them up (the logging HOWTO's "Optimization").
+    process, so records skip looking them up (the logging HOWTO's "Optimization"), and the time's date
+    part is made once a second (:class:`LineFormatter`).
 
     Example (in the daemon's own process: it sets the logging module's globals):
         configure_logging("INFO", sys.stderr)
     """
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=stream)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
 

@@ -111,6 +111,56 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
     }
 
 
+class Joint:
+    """A collective laid out once: how each pair of its processes' values joins (global device order) and
+    which of the results each process gets, for collectives whose request shapes passed
+    :func:`reduce_together`'s checks together before (``shares`` is one of them). :meth:`reduce` then runs
+    the engine exactly as :func:`reduce_together` does (the same joined values, the same plan), without
+    joining and checking again.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> engine = Engine(NumpyBackend(2))
+        >>> def share(pid, x):
+        ...     value = Value((pid,), (np.float32([x]),), "pairs[0].value", ((0, (1,)),))
+        ...     return Contribution("BatchReduce", "SUM", 1, "hierarchical_copy", None, ((value, (pid,)),))
+        >>> joint = Joint({0: share(0, 1), 1: share(1, 2)})
+        >>> arrays = {0: [(np.float32([3]),)], 1: [(np.float32([4]),)]}
+        >>> [r[0].arrays for r in joint.reduce(engine, arrays, "collective 2", Deadline(None)).values()]
+        [(array([7.], dtype=float32),), (array([7.], dtype=float32),)]
+    """
+
+    def __init__(self, shares: Mapping[int, Contribution]):
+        ref = shares[min(shares)]
+        self.op, self.num_packs, self.algorithm, self.reduce_to = ref.op, ref.num_packs, ref.algorithm, ref.reduce_to
+        self.pairs = []
+        """Per pair: (devices, where each component comes from: (process, its component), destinations, parts)."""
+        for t in range(len(ref.pairs)):
+            devices, fetch, dests = [], [], {}
+            for pid in sorted(shares):
+                value, pair_dests = shares[pid].pairs[t]
+                devices.extend(value.devices)
+                fetch.extend((pid, k) for k in range(len(value.devices)))
+                dests.update(dict.fromkeys(pair_dests))
+            self.pairs.append((tuple(devices), tuple(fetch), tuple(dests), ref.pairs[t][0].parts))
+        self.dest_fields = [f"destinations of tensor {t}" for t in range(len(ref.pairs))]
+        self.destinations = {pid: [dests for _, dests in c.pairs] for pid, c in shares.items()}
+        """Each process's destinations, pair by pair."""
+
+    def reduce(self, engine: Engine, arrays: Mapping[int, list[tuple[np.ndarray, ...]]], what: str,
+               deadline: Deadline) -> dict[int, list[Result]]:
+        """Each process's results, from each process's arrays (pair by pair, its components in order)."""
+        joined = [
+            (Value(devices, tuple(arrays[pid][t][k] for pid, k in fetch), f"tensor {t} of {what}", parts), dests)
+            for t, (devices, fetch, dests, parts) in enumerate(self.pairs)
+        ]
+        results = engine.batch_reduce(self.op, joined, num_packs=self.num_packs, algorithm=self.algorithm,
+                                      reduce_to=self.reduce_to, deadline=deadline, dest_fields=self.dest_fields,
+                                      checked=True)
+        return {pid: [share_of(engine, r, dests, None) for r, dests in zip(results, mine)]
+                for pid, mine in self.destinations.items()}
+
+
 JOINTS_KEPT = 256
 """Joint shapes remembered as checked, per engine."""
 

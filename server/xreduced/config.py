@@ -64,6 +64,10 @@ class Config:
     local_lane: bool = True
     """Whether processes on this host may send small collectives over the local lane (a unix socket beside
     gRPC, :mod:`xreduced.lane`) instead of gRPC calls."""
+    lane_express_hold: float = 0.5
+    """Seconds a local-lane call of a request shape validated before may wait in the express lane (its thread
+    matches and reduces such small collectives itself, :mod:`xreduced.express`) for the rest of its collective
+    before the full call path takes it; 0: no express lane."""
 
 
 _FLAGS = {
@@ -97,6 +101,9 @@ _FLAGS = {
                            "default 1"),
     "local_lane": ("bool", "true: processes on this host send small Reduce/BatchReduce/Broadcast calls over a "
                    "unix socket beside gRPC (the local lane), served the same way; default true"),
+    "lane_express_hold": (float, "seconds a local-lane call of a request shape validated before waits in the "
+                          "express lane (matched and reduced by the lane's thread, skipping the full call path) for "
+                          "the rest of its collective before the full path takes it; 0: no express lane; default 0.5"),
 }
 
 
@@ -208,6 +215,8 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be a number of seconds in (0, 86400]; got {value}")
     elif field in ("peer_timeout", "heartbeat_interval") and not 0 < value <= 3600:
         raise ValueError(f"{source} must be a number of seconds in (0, 3600]; got {value}")
+    elif field == "lane_express_hold" and not 0 <= value <= 60:
+        raise ValueError(f"{source} must be a number of seconds in [0, 60] (0: no express lane); got {value}")
     elif field == "stall_warning_seconds" and not 0 <= value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in [0, 86400] (0: never); got {value}")
     elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives") and value < 1:

@@ -28,6 +28,11 @@ sends every waiting caller its reply. Calls that may block long (naming
 shared-memory regions, across nodes, broadcasts) run on worker threads
 (:meth:`LocalLane._serve`). A caller whose connection ends while its call
 waits leaves the collective at once, as a cancelled gRPC call does.
+
+A small call of a request shape the daemon has validated before goes to the
+express lane first (:mod:`xreduced.express`): the lane's thread holds it there
+until its collective is complete and answers every caller at once; whatever
+the express lane hands back is served here as if it had just come.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from xreduce.wire.contract import SESSION_METADATA, method_path
 
 from xreduced.deferred import Deferred
 from xreduced.errors import PermissionDenied
+from xreduced.express import Express
 from xreduced.pipeline import CallPipeline
 from xreduced.regions import RegionTable
 
@@ -232,6 +238,7 @@ class LocalLane:
         regions: the session table (a connection's session must be open).
         max_connections: connections served at once; more are refused (their callers use gRPC).
         protect: called with a socket file's path once it is bound (its permissions).
+        express: the express lane for small calls of known shapes, or None (``--lane-express-hold 0``).
 
     Example:
         >>> from xreduced.admission import Admission
@@ -244,7 +251,8 @@ class LocalLane:
     """
 
     def __init__(self, address: str, pipeline: CallPipeline, handlers: Mapping[str, grpc.RpcMethodHandler],
-                 regions: RegionTable, max_connections: int, protect: Callable[[str], None] | None = None):
+                 regions: RegionTable, max_connections: int, protect: Callable[[str], None] | None = None,
+                 express: Express | None = None):
         self.address = address
         self._pipeline = pipeline
         self._handlers = handlers
@@ -257,6 +265,7 @@ class LocalLane:
         self._listener: socket.socket | None = None
         self._closed = False
         self._calls = 0
+        self._express_calls = 0
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -265,6 +274,12 @@ class LocalLane:
         self._workers = concurrent.futures.ThreadPoolExecutor(max(max_connections, 1),
                                                               thread_name_prefix="xreduced-lane-call")
         self._loop_thread: threading.Thread | None = None
+        self._waiting: dict[_Connection, Deferred] = {}
+        """The calls served by the loop that wait in a collective (deferred)."""
+        self.express = express
+        """The express lane (:mod:`xreduced.express`), or None."""
+        if express is not None:
+            express.wake = self._wake
 
     def start(self) -> LocalLane:
         """Binds and starts accepting.
@@ -317,6 +332,13 @@ class LocalLane:
         """(connections open now, calls served since the start)."""
         with self._lock:
             return len(self._connections), self._calls
+
+    def express_counts(self) -> tuple[int, int]:
+        """(calls the express lane answered since the start, which count in :meth:`counts` too; calls it holds
+        now)."""
+        with self._lock:
+            answered = self._express_calls
+        return answered, 0 if self.express is None else self.express.held()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # full: the loop is awake already
@@ -401,6 +423,9 @@ class LocalLane:
         """Ends a connection: its waiting call (if any) leaves its collective; then the socket closes."""
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._selector.unregister(connection.sock)
+        connection.gone = True
+        if self.express is not None:  # a call held there goes to the full path, which sees its caller gone
+            self._hand_over(self.express.hung_up(connection))
         connection.hung_up()
         with self._lock:
             self._connections.pop(connection.sock, None)
@@ -410,10 +435,9 @@ class LocalLane:
     # --- the loop ------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        waiting: dict[_Connection, Deferred] = {}  # the calls served here that wait in a collective
         while not self._closed:
             try:
-                self._turn(waiting)
+                self._turn()
             except OSError:  # the selector, closed under it
                 if self._closed:
                     break
@@ -430,22 +454,26 @@ class LocalLane:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _turn(self, waiting: dict[_Connection, Deferred]) -> None:
-        """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due.
-        The turn's calls are counted and logged at its end, once their replies are sent."""
-        wake = min((d.wake_at() for d in waiting.values()), default=math.inf)
+    def _turn(self) -> None:
+        """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due
+        (and the express lane's). The turn's calls are counted and logged at its end, once their replies are
+        sent."""
+        wake = min((d.wake_at() for d in self._waiting.values()), default=math.inf)
+        if self.express is not None:
+            wake = min(wake, self.express.wake_at())
         timeout = None if wake == math.inf else min(max(wake - time.monotonic(), 0.0), 3600.0)
         events = self._selector.select(timeout)
         with self._pipeline.records_held() as ended:
             try:
-                self._handle(events, waiting)
+                self._handle(events)
             finally:
                 self._pipeline.record(ended)
 
-    def _handle(self, events, waiting: dict[_Connection, Deferred]) -> None:
+    def _handle(self, events) -> None:
+        waiting = self._waiting
         for key, _ in events:
             if key.data is None:
-                self._take_greeted(waiting)
+                self._take_greeted()
                 continue
             connection: _Connection = key.data
             try:
@@ -459,8 +487,10 @@ class LocalLane:
                 self._drop(connection)
                 continue
             connection.buffer.push(data)
-            self._serve_or_drop(connection, waiting)
+            self._serve_or_drop(connection)
         now = time.monotonic()
+        if self.express is not None:
+            self._hand_over(self.express.due(now))
         for connection, deferred in list(waiting.items()):
             if deferred.done:
                 del waiting[connection]
@@ -470,9 +500,11 @@ class LocalLane:
                 except Exception:  # a bug: the lane goes on serving
                     log.exception("event=lane_internal_error peer=%s", connection.peer)
 
-    def _take_greeted(self, waiting: dict[_Connection, Deferred]) -> None:
+    def _take_greeted(self) -> None:
         with contextlib.suppress(OSError):
             os.read(self._wake_r, 4096)
+        if self.express is not None:
+            self._hand_over(self.express.handed_over())
         with self._lock:
             greeted, self._greeted = self._greeted, []
         for connection in greeted:
@@ -482,9 +514,9 @@ class LocalLane:
                 self._drop(connection, str(e))
                 continue
             if len(connection.buffer):
-                self._serve_or_drop(connection, waiting)
+                self._serve_or_drop(connection)
 
-    def _serve_or_drop(self, connection: _Connection, waiting: dict[_Connection, Deferred]) -> None:
+    def _serve_or_drop(self, connection: _Connection) -> None:
         """:meth:`_serve`, noting a call left waiting; a connection that breaks the protocol (or meets a bug)
         is dropped, and the lane goes on serving the others."""
         try:
@@ -496,9 +528,12 @@ class LocalLane:
             log.exception("event=lane_internal_error peer=%s", connection.peer)
             self._drop(connection, "internal error")
             return
+        self._note_waiting(connection)
+
+    def _note_waiting(self, connection: _Connection) -> None:
         deferred = connection.waiting
         if deferred is not None:
-            waiting[connection] = deferred
+            self._waiting[connection] = deferred
 
     def _serve(self, connection: _Connection) -> None:
         """Serves the calls whose frames have all arrived (a caller sends one at a time)."""
@@ -518,9 +553,37 @@ class LocalLane:
             incoming = handler.request_deserializer(request)
             connection.busy = True
             if _inline(method, incoming):
-                self._call(connection, method, handler, incoming, timeout, defers=True)
+                if self.express is None or not self._express(connection, method, incoming, timeout):
+                    self._call(connection, method, handler, incoming, timeout, defers=True)
             elif not self._closed:
                 self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False)
+
+    def _express(self, connection: _Connection, method: str, incoming, timeout: float | None) -> bool:
+        """Offers the call to the express lane: False when the full path is to serve it; else the replies it
+        completed are sent and the calls it handed over served."""
+        taken = self.express.offer(connection, method, incoming, timeout, time.monotonic())
+        if taken is None:
+            return False
+        replies, handed = taken
+        for arrival, data in replies:
+            with self._lock:
+                self._calls += 1
+                self._express_calls += 1
+            arrival.connection.busy = False  # before the reply goes: its caller's next call may follow at once
+            arrival.connection.send(frames.reply(0, False, data))
+            self.express.answered(arrival, len(data))
+        self._hand_over(handed)
+        return True
+
+    def _hand_over(self, arrivals) -> None:
+        """Serves calls the express lane handed over through the full path, with what is left of their timeouts
+        (a caller that has gone is seen gone: its collective fails as a cancelled call's does)."""
+        now = time.monotonic()
+        for arrival in arrivals:
+            connection = arrival.connection
+            self._call(connection, arrival.method, connection.handlers[arrival.method], arrival.incoming,
+                       arrival.remaining(now), defers=True)
+            self._note_waiting(connection)
 
     def _call(self, connection: _Connection, method: str, handler, incoming, timeout: float,
               defers: bool) -> None:

@@ -19,7 +19,9 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
 * ``xreduce_collectives_waiting`` (gauge);
 * ``xreduce_limit_rejections_total{limit}``: calls refused by each limit;
 * ``xreduce_local_lane_connections`` (gauge), ``xreduce_local_lane_calls_total``: the local lane
-  (:mod:`xreduced.lane`);
+  (:mod:`xreduced.lane`); ``xreduce_local_lane_express_calls_total``: those of its calls its express
+  lane answered, and ``xreduce_local_lane_express_held`` (gauge): calls held there now for the rest of their
+  collectives (:mod:`xreduced.express`);
 * groups across nodes, per ``group``: ``xreduce_group_info{group,engine,state,coordinator}`` (1),
   ``xreduce_group_epoch``, ``xreduce_group_nodes``,
   ``xreduce_group_failed`` (1 once the epoch has lost a peer or a process), ``xreduce_group_lost_peers``,
@@ -73,8 +75,9 @@ class _CallsCollector:
 class _LaneCollector:
     """The local lane's connections and calls, read when scraped."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int]]):
+    def __init__(self, counts: Callable[[], tuple[int, int]], express: Callable[[], tuple[int, int]]):
         self._counts = counts
+        self._express = express
 
     def describe(self):
         return []
@@ -87,6 +90,13 @@ class _LaneCollector:
                                 value=float(connections))
         yield CounterMetricFamily("xreduce_local_lane_calls", "Calls served over the local lane.",
                                   value=float(calls))
+        answered, held = self._express()
+        yield CounterMetricFamily("xreduce_local_lane_express_calls",
+                                  "Calls of the local lane its express lane answered (of known request shapes).",
+                                  value=float(answered))
+        yield GaugeMetricFamily("xreduce_local_lane_express_held",
+                                "Calls held in the express lane now, for the rest of their collectives.",
+                                value=float(held))
 
 
 class _GroupCollector:
@@ -177,16 +187,18 @@ class Stats:
         """
         self.registry.register(_GroupCollector(groups))
 
-    def watch_lane(self, counts: Callable[[], tuple[int, int]]) -> None:
-        """Exports the local lane's (connections, calls) that ``counts()`` returns, when scraped.
+    def watch_lane(self, counts: Callable[[], tuple[int, int]],
+                   express: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        """Exports the local lane's (connections, calls) that ``counts()`` returns, and its express lane's (calls
+        answered, calls held now) that ``express()`` returns, when scraped.
 
         Example:
             >>> s = Stats()
-            >>> s.watch_lane(lambda: (2, 40))
-            >>> s.registry.get_sample_value("xreduce_local_lane_calls_total")
-            40.0
+            >>> s.watch_lane(lambda: (2, 40), lambda: (38, 1))
+            >>> [s.registry.get_sample_value(f"xreduce_local_lane_{n}_total") for n in ("calls", "express_calls")]
+            [40.0, 38.0]
         """
-        self.registry.register(_LaneCollector(counts))
+        self.registry.register(_LaneCollector(counts, express))
 
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
         """Counts one finished call.

@@ -239,6 +239,49 @@ class CallPipeline(grpc.ServerInterceptor):
                 self._idle.wait(left)
             return self._ended_draining
 
+    def begin_express(self, method: str, request, size: int, shape: bytes) -> Call | None:
+        """A call the express lane (:mod:`xreduced.express`) serves without the interceptor: counted in flight
+        (the daemon drains it as any call) with its working set admitted (step 4); None, with nothing held,
+        while the daemon drains or when admission refuses it (the full path then answers it). Its caller
+        passed the gate at the lane's hello, and a request of a remembered shape is of a size admitted
+        before. :meth:`end_express` ends it.
+
+        Example:
+            >>> from xreduce.v1 import xreduce_pb2 as pb
+            >>> pipeline = CallPipeline(Stats(), Admission())
+            >>> call = pipeline.begin_express("/x.Y/Reduce", pb.ReduceRequest(), 64, b"shape")
+            >>> call.bytes_in, call.held > 0, pipeline.admission.inflight.value == call.held
+            (64, True, True)
+            >>> pipeline.end_express(call, 32)
+            >>> pipeline.admission.inflight.value, pipeline.stats.snapshot()["/x.Y/Reduce"]
+            (0, {'calls_by_code': {'OK': 1}, 'bytes_in': 64, 'bytes_out': 32})
+        """
+        if self._draining:
+            return None
+        try:
+            held = self.admission.admit(request, size, shape)
+        except LimitExceeded:
+            return None
+        call = Call(next(_ids), method, bytes_in=size, held=held, shape=shape)
+        with self._idle:
+            self._calls += 1
+        return call
+
+    def end_express(self, call: Call | None, bytes_out: int | None) -> None:
+        """Ends a call of :meth:`begin_express`: counted and logged (step 8) with ``bytes_out`` sent; with None,
+        it is handed to the full path instead, which counts it itself (only its hold is released here)."""
+        if call is None:
+            return
+        if bytes_out is None:
+            call.held, held = 0, call.held
+            self.admission.release(held)
+            with self._idle:
+                self._calls -= 1
+                self._idle.notify_all()
+            return
+        call.bytes_out = bytes_out
+        self._end(call)
+
     def intercept_service(self, continuation, handler_call_details):
         """The handler of a call, wrapped in the pipeline; None for a method nobody serves.
 

@@ -107,8 +107,21 @@ class Prepared:
             xreduce.wire.codec.CodecError: a tensor's bytes do not match its dtype and shape (as
                 :func:`~xreduce.wire.codec.decode` says it).
         """
-        values = [request.value] if type(request) is pb.ReduceRequest else [p.value for p in request.pairs]
         pairs, resolved = [], []
+        for arrays, pair in zip(self.arrays(request), self.pairs):
+            value = Value(pair.devices, arrays, pair.field, pair.parts)
+            pairs.append((value, pair.destinations))
+            resolved.append((value, pair.resolved))
+        return pairs, resolved
+
+    def arrays(self, request) -> list[tuple[np.ndarray, ...]]:
+        """Each pair's component arrays of a request of this shape, decoded from their bytes (see :meth:`decode`).
+
+        Raises:
+            xreduce.wire.codec.CodecError: a tensor's bytes do not match its dtype and shape.
+        """
+        values = [request.value] if type(request) is pb.ReduceRequest else [p.value for p in request.pairs]
+        out = []
         for message, pair in zip(values, self.pairs):
             arrays = []
             for component, tensor in zip(message.components, pair.tensors):
@@ -119,10 +132,8 @@ class Prepared:
                 if tensor.little is not tensor.dtype:
                     array = array.astype(tensor.dtype)
                 arrays.append(array.reshape(tensor.shape))
-            value = Value(pair.devices, tuple(arrays), pair.field, pair.parts)
-            pairs.append((value, pair.destinations))
-            resolved.append((value, pair.resolved))
-        return pairs, resolved
+            out.append(tuple(arrays))
+        return out
 
 
 def shape_of(request, size: int) -> bytes | None:

@@ -166,6 +166,19 @@ class Rendezvous:
         )
         self._failed_ttl = failed_ttl
         self._max_failed = max_failed
+        self.arriving: Callable[[tuple[str, str]], None] | None = None
+        """Told the key of a collective a participant has just joined here without completing it: the
+        express lane (:mod:`xreduced.express`) hands over what it holds of that collective."""
+
+    def knows(self, key: tuple[str, str]) -> bool:
+        """Whether collective ``key`` is waiting here, or failed here recently (its error kept for late arrivals).
+
+        Example:
+            >>> Rendezvous().knows(("g", "seq:1"))
+            False
+        """
+        with self._lock:
+            return key in self._open or key in self._failed
 
     def pending(self) -> int:
         """Collectives waiting for participants now."""
@@ -264,6 +277,8 @@ class Rendezvous:
         finally:
             if failed is not None:
                 self._flush(failed)  # the participants waiting without a thread learn it too
+        if not last and self.arriving is not None:
+            self.arriving(key)
         if last:
             try:
                 results = compute(dict(c.arrived))

@@ -29,6 +29,7 @@ from xreduced import security
 from xreduced.backends import Backend
 from xreduced.config import Config
 from xreduced.engine import Engine
+from xreduced.express import Express
 from xreduced.lane import LocalLane, lane_address
 from xreduced.metrics import MetricsServer
 from xreduced.pipeline import CallPipeline
@@ -150,14 +151,24 @@ class Daemon:
             behavior, request_deserializer=message.FromString, response_serializer=lambda r: r.SerializeToString())
             for name, (message, behavior) in requests.items()}
         assert set(handlers) == set(lane_frames.METHODS)
-        self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, self.service.regions,
+        service = self.service
+        express = None
+        if self.config.lane_express_hold > 0:
+            def busy(key: tuple[str, str], group: str) -> bool:
+                return service.rendezvous.knows(key) or service.peers.lookup(group) is not None
+
+            express = Express(known=service.prepared.get, reduce=service.express, busy=busy,
+                              begin=self.pipeline.begin_express, end=self.pipeline.end_express,
+                              hold=self.config.lane_express_hold)
+            service.rendezvous.arriving = express.claim
+        self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, service.regions,
                               max_connections=self.config.workers,
-                              protect=lambda path: security.protect_socket(path, self.config))
+                              protect=lambda path: security.protect_socket(path, self.config), express=express)
         with security.private_files():  # a socket file is never more open than 0600, even for a moment
             self.lane.start()
         self.service.region_service.local_lane = self.lane.address
         self.service.lane_counts = self.lane.counts
-        self.stats.watch_lane(self.lane.counts)
+        self.stats.watch_lane(self.lane.counts, self.lane.express_counts)
 
     def serving_line(self) -> str:
         """The ``event=serving`` log line: the bound address, the backend and the devices."""

@@ -15,7 +15,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from xreduce.v1 import xreduce_pb2 as pb
@@ -28,7 +28,15 @@ from xreduce.wire.devices import DeviceName
 from xreduced import across, decode, peers, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
-from xreduced.collective import BroadcastShare, Contribution, assign_devices, broadcast_together, reduce_together
+from xreduced.collective import (
+    JOINTS_KEPT,
+    BroadcastShare,
+    Contribution,
+    Joint,
+    assign_devices,
+    broadcast_together,
+    reduce_together,
+)
 from xreduced.config import Config
 from xreduced.deferred import Deferred, then
 from xreduced.devices import DeviceTable
@@ -37,7 +45,7 @@ from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFou
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
-from xreduced.prepared import PreparedCalls
+from xreduced.prepared import Prepared, PreparedCalls, Recent
 from xreduced.region_service import RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Rendezvous
@@ -80,6 +88,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
         self.prepared = PreparedCalls()
         """The request shapes validated before (:mod:`xreduced.prepared`)."""
+        self._compiled: Recent[tuple, tuple[Joint, dict[int, tuple[Any, list]]]] = Recent(JOINTS_KEPT)
+        """The express lane's collectives laid out (:meth:`express`), by joint shape, with each process's reply
+        to refill."""
         self.admission = Admission.from_config(self.config)
         self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.rendezvous.pending)
         backend = engine.backend
@@ -171,13 +182,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             array([2., 2.], dtype=float32)
         """
         encoding = _encoding(lambda: [request.value])
-
-        def reply(reduced):
-            (result,), (slots,) = reduced
-            return pb.ReduceResponse(result=self._encode(result, encoding, slots), route=decode.ROUTES[result.route])
-
         return self._reduce("Reduce", request, context, lambda: (
-            [(request.value, request.destinations)], ["value"], ["destinations"]), reply)
+            [(request.value, request.destinations)], ["value"], ["destinations"]),
+            lambda reduced: self._reply("Reduce", *reduced, encoding))
 
     def BatchReduce(self, request, context):
         """Reduces each pair's value onto its destinations, in one call.
@@ -196,18 +203,70 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """
         encoding = _encoding(lambda: [p.value for p in request.pairs])
         n = len(request.pairs)
-
-        def reply(reduced):
-            results, slots = reduced
-            return pb.BatchReduceResponse(results=[
-                pb.ReduceResult(result=self._encode(r, encoding, s), route=decode.ROUTES[r.route])
-                for r, s in zip(results, slots)
-            ])
-
         return self._reduce("BatchReduce", request, context, lambda: (
             [(p.value, p.destinations) for p in request.pairs],
             [f"pairs[{i}].value" for i in range(n)], [f"pairs[{i}].destinations" for i in range(n)],
-        ), reply)
+        ), lambda reduced: self._reply("BatchReduce", *reduced, encoding))
+
+    def _reply(self, kind: str, results: list[Result], slots: list[dict[int, decode.Slot] | None], encoding: str):
+        """The ReduceResponse (one result) or BatchReduceResponse of a reduction."""
+        if kind == "Reduce":
+            (result,), (slot,) = results, slots
+            return pb.ReduceResponse(result=self._encode(result, encoding, slot), route=decode.ROUTES[result.route])
+        return pb.BatchReduceResponse(results=[
+            pb.ReduceResult(result=self._encode(r, encoding, s), route=decode.ROUTES[r.route])
+            for r, s in zip(results, slots)
+        ])
+
+    def express(self, kind: str, label: str, requests: Mapping[int, tuple[Any, Prepared, bytes]]) -> dict[int, bytes]:
+        """Each process's serialized reply to a collective on this node whose requests all have shapes
+        validated before (the express lane's, :mod:`xreduced.express`): ``requests`` maps each process to its
+        (request, :class:`~xreduced.prepared.Prepared` of its shape, shape). The tensors are decoded by their
+        shapes, reduced once by :func:`~xreduced.collective.reduce_together` (which checks the processes agree
+        unless these shapes passed together before), and each reply is encoded as the full path encodes it. The
+        next collective of the same shapes takes the layout that first one made (:class:`~xreduced.collective.Joint`)
+        and refills the replies it encoded: the same engine call, the same bytes. Only the lane's one thread
+        calls this (the replies it refills are its own).
+
+        Raises:
+            Whatever decoding or the reduction raises; nothing has changed then (the express lane hands the
+            calls to the full path, which answers them).
+
+        Example (what the express lane calls, once both requests have arrived):
+            replies = service.express("Reduce", 'collective 3 in group "g"',
+                                      {0: (request0, prepared0, shape0), 1: (request1, prepared1, shape1)})
+        """
+        joint = tuple((pid, kind, requests[pid][2]) for pid in sorted(requests))
+        compiled = self._compiled.get(joint)
+        deadline = decode.deadline(requests[joint[-1][0]][0], None, self.collective_timeout)
+        if compiled is None:  # the first time: joined and checked as any collective, then laid out
+            shares = {}
+            for pid, (request, prepared, shape) in requests.items():
+                _, resolved = prepared.decode(request)
+                shares[pid] = Contribution(kind, prepared.op, prepared.num_packs, prepared.algorithm,
+                                           prepared.reduce_to, tuple(resolved), shape=shape)
+            results = self._timed(kind, sum(_replica_bytes(v) for v, _ in resolved),
+                                  lambda: reduce_together(self.engine, shares, label, deadline))
+            self._compiled.put(joint, (Joint(shares), {}))
+            return {pid: self._reply(kind, rs, [None] * len(rs), codec.RAW).SerializeToString()
+                    for pid, rs in results.items()}
+        layout, replies = compiled
+        arrays = {pid: prepared.arrays(request) for pid, (request, prepared, _) in requests.items()}
+        results = self._timed(kind, sum(int(a[0].nbytes) for a in arrays[joint[0][0]]),
+                              lambda: layout.reduce(self.engine, arrays, label, deadline))
+        out = {}
+        for pid, rs in results.items():
+            filled = replies.get(pid)
+            if filled is None:  # a reply of this collective's kind, devices, dtypes and shapes: refilled each time
+                message = self._reply(kind, rs, [None] * len(rs), codec.RAW)
+                values = [message.result] if kind == "Reduce" else [r.result for r in message.results]
+                replies[pid] = filled = (message, [c.tensor for v in values for c in v.components])
+            message, tensors = filled
+            to_host = self.engine.backend.to_host
+            for tensor, array in zip(tensors, (a for r in rs for a in r.arrays)):
+                tensor.raw_data = codec.raw_bytes(to_host(array))
+            out[pid] = message.SerializeToString()
+        return out
 
     def Broadcast(self, request, context):
         """Copies the tensor to every destination (from the source process, in a collective).

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xreduce
+from daemons import wait_log
 from google.protobuf.duration_pb2 import Duration
 from xreduce._streaming import stream_batch_reduce
 from xreduce.v1 import xreduce_pb2 as pb
@@ -323,7 +324,7 @@ def test_payload_over_the_message_limit_streams(small, small_stub):
     assert status.inflight_bytes == 0
     stats = {m.method: m for m in status.methods}["/xreduce.v1.CrossDeviceOps/ReduceStream"]
     assert stats.calls_by_code["OK"] >= 1 and stats.bytes_in > 8 * MIB and stats.bytes_out > 2 * MIB
-    assert "method=/xreduce.v1.CrossDeviceOps/ReduceStream" in small.log()
+    wait_log(small, "method=/xreduce.v1.CrossDeviceOps/ReduceStream")  # the log is read by a thread of the test
 
 
 def test_component_sent_whole_first_is_over_the_inflight_budget(small, small_stub):
@@ -344,7 +345,7 @@ def test_component_sent_whole_first_is_over_the_inflight_budget(small, small_stu
     assert error.details().startswith("chunk 8 (pairs[0].value.components[0]): its 131072 bytes")
     assert "send the components' chunks interleaved" in error.details()
     assert small_stub.GetStatus(pb.GetStatusRequest(), timeout=60).inflight_bytes == 0
-    assert "status=RESOURCE_EXHAUSTED" in small.log()
+    wait_log(small, "status=RESOURCE_EXHAUSTED")
     _serves_a_normal_reduce(small_stub)
 
 

@@ -36,6 +36,7 @@ SETTINGS = {
     "peer_timeout": ("8", 8.0, "3.5", 3.5),
     "heartbeat_interval": ("0.5", 0.5, "0.25", 0.25),
     "local_lane": ("false", False, "on", True),
+    "lane_express_hold": ("0", 0.0, "2.5", 2.5),
 }
 DEFAULTS = {
     "listen": "127.0.0.1:50551",
@@ -61,6 +62,7 @@ DEFAULTS = {
     "peer_timeout": 5.0,
     "heartbeat_interval": 1.0,
     "local_lane": True,
+    "lane_express_hold": 0.5,
 }
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = {f: "--" + f.replace("_", "-") for f in SETTINGS}
@@ -199,6 +201,8 @@ BAD = [
     ("auth_health", "maybe", "must be true or false; got 'maybe'"),
     ("max_inflight_bytes", "0", "must be >= 1; got 0"),
     ("max_collectives", "-3", "must be >= 1; got -3"),
+    ("lane_express_hold", "-0.1", "must be a number of seconds in [0, 60] (0: no express lane); got -0.1"),
+    ("lane_express_hold", "nan", "must be a number of seconds in [0, 60] (0: no express lane); got nan"),
 ]
 BAD_IDS = [f"{f.replace('_', '-')}-{v}" for f, v, _ in BAD]
 

@@ -103,6 +103,16 @@ def encoding_of(tensor: pb.Tensor) -> str:
     return RAW
 
 
+def raw_bytes(array: np.ndarray) -> bytes:
+    """An array's elements as a ``Tensor``'s ``raw_data`` holds them: C order, little-endian.
+
+    Example:
+        >>> raw_bytes(np.array([1, 2], ">i2"))
+        b'\\x01\\x00\\x02\\x00'
+    """
+    return np.ascontiguousarray(array).astype(little_endian(array.dtype), copy=False).tobytes()
+
+
 def encode(array: np.ndarray, encoding: str = RAW) -> pb.Tensor:
     """Encodes an array as a ``Tensor`` in the given encoding.
 
@@ -113,8 +123,7 @@ def encode(array: np.ndarray, encoding: str = RAW) -> pb.Tensor:
     """
     array = np.asarray(array)
     if encoding == RAW:
-        return pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape,
-                         raw_data=np.ascontiguousarray(array).astype(little_endian(array.dtype), copy=False).tobytes())
+        return pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape, raw_data=raw_bytes(array))
     out = pb.Tensor(dtype=dtype_enum(array.dtype), shape=array.shape)
     kind = array.dtype.kind
     flat = array.reshape(-1)
