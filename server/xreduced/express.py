@@ -22,7 +22,8 @@ with what is left of its timeout):
 - a collective not complete within ``hold`` seconds (``--lane-express-hold``, 0.5 s): the
   full path then waits for the others, logs a long wait, and times out naming
   who is missing;
-- a process that arrives twice, or with a shape not validated before, or a
+- a process that arrives twice, or calls another method than the others, or
+  says another ``num_processes``, or with a shape not validated before, or a
   collective the rendezvous already knows (a participant waits there, or it
   failed and late arrivals get its error);
 - a participant of the collective that comes by another way (gRPC, or the
@@ -111,7 +112,7 @@ class Express:
 
     The lane sets :attr:`wake`: how a collective handed over from another thread wakes the lane's thread.
 
-    Example (the lane's thread calls it; see tests/unit/test_express.py):
+    Example (the lane's thread calls it; see tests/unit/test_express_matching.py):
         >>> express = Express(known=lambda shape: None, reduce=None, busy=lambda key, group: False,
         ...                   begin=None, end=None)
         >>> express.wake_at(), express.held()
@@ -157,20 +158,24 @@ class Express:
         key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
         if self._busy(key, spec.group):
             return None
-        call = self._begin(METHOD_PREFIX + method, message, incoming.size, shape)
+        call = self._begin(METHOD_PREFIX + method, message, incoming.size, shape, key)
         if call is None:
             return None
         arrival = Arrival(connection, method, incoming, timeout, now, shape, prepared, spec.process_id, key, call)
         with self._lock:
             waiting = self._pending.setdefault(key, {})
+            first = next(iter(waiting.values()), None)
+            if first is not None and first.incoming.message.collective.num_processes != spec.num_processes:
+                return [], self._hand([*self._release(key), arrival], "the processes disagree on num_processes")
             if spec.process_id in waiting:  # twice: the full path says so
-                handed = [*self._release(key), arrival]
-                return [], self._hand(handed, "a process arrived twice")
+                return [], self._hand([*self._release(key), arrival], "a process arrived twice")
             waiting[spec.process_id] = arrival
             self._of[connection] = arrival
             if len(waiting) < spec.num_processes:
                 return [], []
             complete = self._release(key)
+        if any(a.method != method for a in complete):  # Reduce and BatchReduce: the full path names who called what
+            return [], self._hand(complete, "the processes called different methods")
         try:
             replies = self._reduce(method, collective_label(spec.group, spec.sequence, spec.name), {
                 a.process_id: (a.incoming.message, a.prepared, a.shape) for a in complete})

@@ -104,6 +104,8 @@ class Call:
     """The call came while the daemon was stopping: it is refused."""
     shape: bytes | None = None
     """The request's shape (:func:`xreduced.prepared.shape_of`), for a small ``Reduce`` or ``BatchReduce``."""
+    collective: Any = None
+    """The collective an express call takes part in, counted against ``--max-collectives`` while it is held."""
 
     @property
     def name(self) -> str:
@@ -239,30 +241,38 @@ class CallPipeline(grpc.ServerInterceptor):
                 self._idle.wait(left)
             return self._ended_draining
 
-    def begin_express(self, method: str, request, size: int, shape: bytes) -> Call | None:
+    def begin_express(self, method: str, request, size: int, shape: bytes, collective: Any) -> Call | None:
         """A call the express lane (:mod:`xreduced.express`) serves without the interceptor: counted in flight
-        (the daemon drains it as any call) with its working set admitted (step 4); None, with nothing held,
-        while the daemon drains or when admission refuses it (the full path then answers it). Its caller
-        passed the gate at the lane's hello, and a request of a remembered shape is of a size admitted
-        before. :meth:`end_express` ends it.
+        (the daemon drains it as any call) with its working set admitted (step 4) and its ``collective`` (the
+        rendezvous's key) counted against ``--max-collectives``; None, with nothing held, while the daemon
+        drains or when a limit refuses it (the full path then answers it). Its caller passed the gate at the
+        lane's hello, and a request of a remembered shape is of a size admitted before. :meth:`end_express`
+        ends it.
 
         Example:
             >>> from xreduce.v1 import xreduce_pb2 as pb
             >>> pipeline = CallPipeline(Stats(), Admission())
-            >>> call = pipeline.begin_express("/x.Y/Reduce", pb.ReduceRequest(), 64, b"shape")
-            >>> call.bytes_in, call.held > 0, pipeline.admission.inflight.value == call.held
-            (64, True, True)
+            >>> call = pipeline.begin_express("/x.Y/Reduce", pb.ReduceRequest(), 64, b"shape", ("g", "seq:1"))
+            >>> call.bytes_in, call.held > 0, pipeline.admission.collectives.open()
+            (64, True, 1)
             >>> pipeline.end_express(call, 32)
-            >>> pipeline.admission.inflight.value, pipeline.stats.snapshot()["/x.Y/Reduce"]
-            (0, {'calls_by_code': {'OK': 1}, 'bytes_in': 64, 'bytes_out': 32})
+            >>> pipeline.admission.inflight.value, pipeline.admission.collectives.open()
+            (0, 0)
+            >>> pipeline.stats.snapshot()["/x.Y/Reduce"]
+            {'calls_by_code': {'OK': 1}, 'bytes_in': 64, 'bytes_out': 32}
         """
         if self._draining:
             return None
         try:
-            held = self.admission.admit(request, size, shape)
+            self.admission.collectives.enter(collective, "")
         except LimitExceeded:
             return None
-        call = Call(next(_ids), method, bytes_in=size, held=held, shape=shape)
+        try:
+            held = self.admission.admit(request, size, shape)
+        except LimitExceeded:
+            self.admission.collectives.leave(collective)
+            return None
+        call = Call(next(_ids), method, bytes_in=size, held=held, shape=shape, collective=collective)
         with self._idle:
             self._calls += 1
         return call
@@ -272,6 +282,7 @@ class CallPipeline(grpc.ServerInterceptor):
         it is handed to the full path instead, which counts it itself (only its hold is released here)."""
         if call is None:
             return
+        self.admission.collectives.leave(call.collective)
         if bytes_out is None:
             call.held, held = 0, call.held
             self.admission.release(held)

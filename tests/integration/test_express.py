@@ -229,6 +229,44 @@ def test_bad_bytes_in_a_known_shape_get_the_full_path_s_errors(daemon, lanes):
     assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 3, *arrays)))
 
 
+def validated_alone(sock, method: str, message) -> None:
+    """Sends ``message`` (of collective 100) alone, so that it times out, but its shape is validated; leaves it
+    as collective 2, for the process's next call."""
+    code, body = lane_call(sock, method, message, timeout=0.3)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], body
+    message.collective.sequence = 2
+
+
+def refused(daemon, sock, method: str, message, error: bytes, reason: str) -> None:
+    """``message``'s call fails INVALID_ARGUMENT with ``error``, after a hand-over for ``reason``."""
+    code, body = lane_call(sock, method, message)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and error in body, body
+    assert handed_over(daemon, reason)
+
+
+def test_processes_calling_different_methods_get_the_full_path_s_error(daemon, lanes):
+    arrays = [np.float32([1]), np.float32([2])]
+    assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
+    one = batch(1, 100, *arrays)
+    reduce = pb.ReduceRequest(reduce_op=one.reduce_op, value=one.pairs[0].value, collective=one.collective)
+    validated_alone(lanes[1], "Reduce", reduce)
+    held(daemon, lanes[0], batch(0, 2, *arrays))
+    refused(daemon, lanes[1], "Reduce", reduce, b"process 1 called Reduce but process 0 called BatchReduce",
+            "the processes called different methods")
+
+
+def test_processes_disagreeing_on_num_processes_get_the_full_path_s_error(daemon, lanes):
+    arrays = [np.float32([1]), np.float32([2])]
+    assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
+    three = batch(0, 100, *arrays)
+    three.collective.num_processes = 3
+    validated_alone(lanes[0], "BatchReduce", three)
+    held(daemon, lanes[0], three)
+    refused(daemon, lanes[1], "BatchReduce", batch(1, 2, *arrays),
+            b"process 1 says num_processes=2 but process 0 said num_processes=3",
+            "the processes disagree on num_processes")
+
+
 def test_a_process_id_sent_twice_is_refused_as_the_full_path_refuses_it(daemon, lanes):
     arrays = [np.float32([1]), np.float32([2])]
     assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
@@ -237,6 +275,21 @@ def test_a_process_id_sent_twice_is_refused_as_the_full_path_refuses_it(daemon, 
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2, replies
     assert all(b"process 0 contributed twice" in body for _, body in replies), replies
     assert handed_over(daemon, "a process arrived twice")
+
+
+def test_a_held_collective_counts_against_max_collectives(start_daemon):
+    daemon = start_daemon("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--max-collectives", "1",
+                          "--lane-express-hold", "30", *DEVICES)
+    with session(daemon.address) as (first, _):
+        lanes = [connect(first.local_lane, first.session_id)[0] for _ in range(3)]
+        arrays = [np.float32([1]), np.float32([2])]
+        assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
+        held(daemon, lanes[0], batch(0, 2, *arrays))
+        code, body = lane_call(lanes[2], "BatchReduce", batch(1, 3, *arrays))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], body
+        assert b"would be the 2nd collective waiting at once, over --max-collectives 1" in body, body
+        code, body = lane_call(lanes[1], "BatchReduce", batch(1, 2, *arrays))
+        assert code == 0 and results(body) == [[[6.0]] * 2], body
 
 
 def test_the_express_lane_is_off_with_its_flag(start_daemon):

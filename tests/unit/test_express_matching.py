@@ -34,7 +34,7 @@ class Harness:
         self.reduced, self.began, self.ended, self.woken = [], [], [], 0
         self.fails = fails
 
-        def begin(method, message, size, shape):
+        def begin(method, message, size, shape, collective):
             if not admits:
                 return None
             call = {"method": method, "pid": message.collective.process_id}
@@ -88,7 +88,7 @@ def test_named_collectives_and_sequences_are_matched_apart():
 @pytest.mark.parametrize("harness, kw", [
     (dict(known=False), {}),  # a shape not validated before
     (dict(busy=True), {}),  # the rendezvous knows the collective, or the group spans nodes
-    (dict(admits=False), {}),  # draining, or over the in-flight budget
+    (dict(admits=False), {}),  # draining, or over the in-flight budget or --max-collectives
     ({}, dict(n=1)),  # one process: nothing to match
     ({}, dict(sequence=-1)),  # the full path names the bad field
 ])
@@ -104,6 +104,22 @@ def test_a_process_arriving_twice_hands_both_calls_over_uncounted():
     replies, handed = h.offer("c1", 0)
     assert replies == [] and pids(handed) == [0, 0] and h.express.held() == 0
     assert h.ended == [(0, None), (0, None)] and all(a.call is None for a in handed)
+
+
+def test_processes_calling_different_methods_are_handed_over_unreduced():
+    h = Harness()
+    h.offer("c0", 0)
+    message = incoming(1).message
+    reduce = pb.ReduceRequest(value=message.pairs[0].value, collective=message.collective)
+    replies, handed = h.express.offer("c1", "Reduce", Incoming(reduce.ByteSize(), reduce), None, 0.0)
+    assert replies == [] and pids(handed) == [0, 1] and h.reduced == []
+
+
+def test_processes_disagreeing_on_their_number_are_handed_over_unreduced():
+    h = Harness()
+    h.offer("c0", 0, n=3)
+    replies, handed = h.offer("c1", 1, n=2)  # it would complete a collective of 2: the full path refuses it
+    assert replies == [] and pids(handed) == [0, 1] and h.reduced == []
 
 
 def test_a_reduction_that_raises_hands_every_call_over():
