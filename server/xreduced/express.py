@@ -139,6 +139,11 @@ class Express:
         with self._lock:
             return len(self._of)
 
+    def collectives(self) -> int:
+        """Collectives with a call held now."""
+        with self._lock:
+            return len(self._pending)
+
     def offer(self, connection, method: str, incoming, timeout: float | None, now: float
               ) -> tuple[list[tuple[Arrival, bytes]], list[Arrival]] | None:
         """Takes a call of the lane's thread if it may go express: None when it may not (the full path serves

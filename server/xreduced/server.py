@@ -161,6 +161,7 @@ class Daemon:
                               begin=self.pipeline.begin_express, end=self.pipeline.end_express,
                               hold=self.config.lane_express_hold)
             service.rendezvous.arriving = express.claim
+            service.held_elsewhere = express.collectives
         self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, service.regions,
                               max_connections=self.config.workers,
                               protect=lambda path: security.protect_socket(path, self.config), express=express)

@@ -92,7 +92,10 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """The express lane's collectives laid out (:meth:`express`), by joint shape, with each process's reply
         to refill."""
         self.admission = Admission.from_config(self.config)
-        self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.rendezvous.pending)
+        self.held_elsewhere: Callable[[], int] = lambda: 0
+        """Collectives waiting outside the rendezvous (the express lane's, :mod:`xreduced.express`); the daemon
+        sets it when it opens a lane."""
+        self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.collectives_waiting)
         backend = engine.backend
         self.regions = regions or RegionTable(ipc_opener=backend.open_ipc if backend.cuda_ipc else None,
                                               max_sessions=max(1, self.config.workers // 2))
@@ -146,7 +149,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 for m, v in sorted(self.stats.snapshot().items())
             ],
             inflight_bytes=self.admission.inflight.value,
-            collectives_waiting=self.rendezvous.pending(),
+            collectives_waiting=self.collectives_waiting(),
             tls=c.tls_cert is not None,
             mutual_tls=c.tls_client_ca is not None,
             token_auth=c.auth_token_file is not None,
@@ -155,6 +158,16 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             local_lane_connections=lane_connections,
             local_lane_calls=lane_calls,
         )
+
+    def collectives_waiting(self) -> int:
+        """Multi-process collectives waiting for participants now: in the rendezvous, or held in the express lane.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> CrossDeviceOpsService(Engine(NumpyBackend(2)), "numpy").collectives_waiting()
+            0
+        """
+        return self.rendezvous.pending() + self.held_elsewhere()
 
     def _device_messages(self) -> list[pb.Device]:
         out = []

@@ -153,6 +153,10 @@ def test_a_partner_that_comes_over_grpc_gets_the_collective_handed_over(daemon, 
     arrays = [np.float32([1, 2]), np.float32([3, 4])]
     assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
     held(daemon, lanes[0], batch(0, 2, *arrays))
+    with grpc.insecure_channel(daemon.address) as channel:  # a held collective waits as any other
+        status = pb_grpc.CrossDeviceOpsStub(channel).GetStatus(pb.GetStatusRequest(), timeout=20)
+    assert status.collectives_waiting == 1
+    assert metrics(daemon)[("xreduce_collectives_waiting", ())] == 1
     with grpc.insecure_channel(daemon.address) as channel:
         reply = pb_grpc.CrossDeviceOpsStub(channel).BatchReduce(batch(1, 2, *arrays), timeout=20)
     code, _, body = frames.read_reply(frames.FrameReader(lanes[0]).read())

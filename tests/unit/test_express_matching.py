@@ -65,9 +65,9 @@ def pids(arrivals):
 
 def test_a_collective_is_held_until_complete_then_reduced_once_and_each_call_ends_counted():
     h = Harness()
-    assert h.offer("c0", 0) == ([], []) and h.express.held() == 1
+    assert h.offer("c0", 0) == ([], []) and (h.express.held(), h.express.collectives()) == (1, 1)
     replies, handed = h.offer("c1", 1)
-    assert handed == [] and h.express.held() == 0
+    assert handed == [] and (h.express.held(), h.express.collectives()) == (0, 0)
     assert h.reduced == [("BatchReduce", 'collective 1 in group "g"', [0, 1])]
     assert [(a.process_id, data) for a, data in replies] == [(0, b"reply 0"), (1, b"reply 1")]
     assert [c["method"] for c in h.began] == ["/xreduce.v1.CrossDeviceOps/BatchReduce"] * 2
