@@ -187,12 +187,12 @@ def test_a_late_partner_is_matched_on_the_full_path_after_the_hold(daemon, lanes
     assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
     before = express_calls(daemon)
     lanes[0].sendall(frames.request("BatchReduce", 20.0, batch(0, 2, *arrays).SerializeToString()))
-    time.sleep(1.0)  # past the express lane's hold (0.2 s): process 0 now waits in the rendezvous
+    handed_over(daemon, "not complete within the hold")  # after 0.2 s: process 0 now waits in the rendezvous
     code, body = lane_call(lanes[1], "BatchReduce", batch(1, 2, *arrays))
     assert code == 0 and results(body) == [[[6.0]] * 2], body
     code, _, body = frames.read_reply(frames.FrameReader(lanes[0]).read())
     assert code == 0 and results(body) == [[[6.0]] * 2], body
-    assert express_calls(daemon) == before and handed_over(daemon, "not complete within the hold")
+    assert express_calls(daemon) == before
 
 
 def test_a_missing_partner_times_out_naming_it_as_the_full_path_does(daemon, lanes):
@@ -209,10 +209,10 @@ def test_a_held_caller_that_hangs_up_fails_the_collective_for_its_partner(daemon
     assert all(code == 0 for code, _ in both(lanes, lambda pid: batch(pid, 1, *arrays)))
     held(daemon, lanes[0], batch(0, 2, *arrays))
     lanes[0].close()
+    handed_over(daemon, "process 0 hung up")  # before process 1 calls: it must not complete the collective
     code, body = lane_call(lanes[1], "BatchReduce", batch(1, 2, *arrays))
     assert code == grpc.StatusCode.ABORTED.value[0], body
     assert b"process 0 left (its call ended or its process died) before every process arrived" in body, body
-    assert handed_over(daemon, "process 0 hung up")
 
 
 def test_bad_bytes_in_a_known_shape_get_the_full_path_s_errors(daemon, lanes):
