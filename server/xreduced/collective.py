@@ -15,6 +15,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from xreduce.wire.sparse import Slices
@@ -102,8 +103,8 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
         deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
         out=outs if any(outs) else None, checked=checked,
     )
-    if joint is not None and not checked:
-        joints.put(joint, True)  # everything checked passed: the next collective of these shapes skips the checks
+    if joint is not None and not checked:  # everything checked passed: the next collective of these shapes skips
+        joints.put(joint, Joint(shares, joined))  # the checks, and the express lane takes its layout
     return {
         pid: [share_of(engine, r, dests, None if c.out is None else c.out[t])
               for t, (r, (_, dests)) in enumerate(zip(results, c.pairs))]
@@ -112,11 +113,11 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
 
 
 class Joint:
-    """A collective laid out once: how each pair of its processes' values joins (global device order) and
-    which of the results each process gets, for collectives whose request shapes passed
-    :func:`reduce_together`'s checks together before (``shares`` is one of them). :meth:`reduce` then runs
-    the engine exactly as :func:`reduce_together` does (the same joined values, the same plan), without
-    joining and checking again.
+    """A collective laid out once, from ``joined``, what :func:`join_shares` made of ``shares``: where each
+    component of each joined value comes from (process, its component) and which of the results each process
+    gets. :func:`reduce_together` keeps one per joint shape that passed its checks (:func:`laid_out`);
+    :meth:`reduce` then runs the engine exactly as :func:`reduce_together` does (the same joined values, the
+    same plan), without joining and checking again.
 
     Example:
         >>> from xreduced.backends.numpy_backend import NumpyBackend
@@ -124,28 +125,26 @@ class Joint:
         >>> def share(pid, x):
         ...     value = Value((pid,), (np.float32([x]),), "pairs[0].value", ((0, (1,)),))
         ...     return Contribution("BatchReduce", "SUM", 1, "hierarchical_copy", None, ((value, (pid,)),))
-        >>> joint = Joint({0: share(0, 1), 1: share(1, 2)})
+        >>> shares = {0: share(0, 1), 1: share(1, 2)}
+        >>> joint = Joint(shares, join_shares(engine, shares, "collective 1")[0])
         >>> arrays = {0: [(np.float32([3]),)], 1: [(np.float32([4]),)]}
         >>> [r[0].arrays for r in joint.reduce(engine, arrays, "collective 2", Deadline(None)).values()]
         [(array([7.], dtype=float32),), (array([7.], dtype=float32),)]
     """
 
-    def __init__(self, shares: Mapping[int, Contribution]):
+    def __init__(self, shares: Mapping[int, Contribution], joined: list[tuple[Value, tuple[int, ...]]]):
         ref = shares[min(shares)]
         self.op, self.num_packs, self.algorithm, self.reduce_to = ref.op, ref.num_packs, ref.algorithm, ref.reduce_to
         self.pairs = []
         """Per pair: (devices, where each component comes from: (process, its component), destinations, parts)."""
-        for t in range(len(ref.pairs)):
-            devices, fetch, dests = [], [], {}
-            for pid in sorted(shares):
-                value, pair_dests = shares[pid].pairs[t]
-                devices.extend(value.devices)
-                fetch.extend((pid, k) for k in range(len(value.devices)))
-                dests.update(dict.fromkeys(pair_dests))
-            self.pairs.append((tuple(devices), tuple(fetch), tuple(dests), ref.pairs[t][0].parts))
-        self.dest_fields = [f"destinations of tensor {t}" for t in range(len(ref.pairs))]
+        for t, (value, dests) in enumerate(joined):
+            source = {d: (pid, k) for pid, c in shares.items() for k, d in enumerate(c.pairs[t][0].devices)}
+            self.pairs.append((value.devices, tuple(source[d] for d in value.devices), dests, value.parts))
+        self.dest_fields = [f"destinations of tensor {t}" for t in range(len(joined))]
         self.destinations = {pid: [dests for _, dests in c.pairs] for pid, c in shares.items()}
         """Each process's destinations, pair by pair."""
+        self.replies: dict[int, Any] = {}
+        """What a caller derives from the layout, kept with it: the service's encoded replies to refill."""
 
     def reduce(self, engine: Engine, arrays: Mapping[int, list[tuple[np.ndarray, ...]]], what: str,
                deadline: Deadline) -> dict[int, list[Result]]:
@@ -162,13 +161,19 @@ class Joint:
 
 
 JOINTS_KEPT = 256
-"""Joint shapes remembered as checked, per engine."""
+"""Joint shapes remembered as checked (with their layouts), per engine."""
 
-_JOINTS: weakref.WeakKeyDictionary[Engine, Recent[tuple, bool]] = weakref.WeakKeyDictionary()
+_JOINTS: weakref.WeakKeyDictionary[Engine, Recent[tuple, Joint]] = weakref.WeakKeyDictionary()
 _JOINTS_LOCK = threading.Lock()
 
 
-def _joints(engine: Engine) -> Recent[tuple, bool]:
+def laid_out(engine: Engine, kind: str, shapes: Mapping[int, bytes]) -> Joint | None:
+    """The layout of a collective of ``kind`` calls whose processes' request shapes are ``shapes`` (by process),
+    if such a collective passed :func:`reduce_together`'s checks on ``engine`` lately, else None."""
+    return _joints(engine).get(tuple((pid, kind, shapes[pid]) for pid in sorted(shapes)))
+
+
+def _joints(engine: Engine) -> Recent[tuple, Joint]:
     """The processes' request shapes, together, that passed :func:`check_shares` and the engine's checks on
     ``engine`` (a daemon's devices and backend decide what passes): whatever those checks look at is in the
     shapes."""

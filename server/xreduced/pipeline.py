@@ -283,15 +283,8 @@ class CallPipeline(grpc.ServerInterceptor):
         if call is None:
             return
         self.admission.collectives.leave(call.collective)
-        if bytes_out is None:
-            call.held, held = 0, call.held
-            self.admission.release(held)
-            with self._idle:
-                self._calls -= 1
-                self._idle.notify_all()
-            return
-        call.bytes_out = bytes_out
-        self._end(call)
+        call.bytes_out = bytes_out or 0
+        self._end(call, counted=bytes_out is not None)
 
     def intercept_service(self, continuation, handler_call_details):
         """The handler of a call, wrapped in the pipeline; None for a method nobody serves.
@@ -494,21 +487,24 @@ class CallPipeline(grpc.ServerInterceptor):
         context.set_trailing_metadata(((ANSWERED_METADATA, "1"),))
         context.abort(code, message)
 
-    def _end(self, call: Call) -> None:
+    def _end(self, call: Call, counted: bool = True) -> None:
+        """The call's holds released; it is counted and logged (step 8) unless not ``counted`` (an express call
+        handed to the full path, which counts it as its own)."""
         if call.regions is not None:
             call.regions.release()
         if call.held:
             self.admission.release(call.held)
         call.seconds = time.monotonic() - call.started
-        held = getattr(self._held, "calls", None)
-        if held is not None:
-            held.append(call)
-        else:
-            self._record(call)
+        if counted:
+            held = getattr(self._held, "calls", None)
+            if held is not None:
+                held.append(call)
+            else:
+                self._record(call)
         with self._idle:
             self._calls -= 1
             if self._draining:
-                self._ended_draining += not call.refused_draining
+                self._ended_draining += counted and not call.refused_draining
                 self._idle.notify_all()
 
     def _record(self, call: Call) -> None:

@@ -29,12 +29,11 @@ from xreduced import across, decode, peers, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
-    JOINTS_KEPT,
     BroadcastShare,
     Contribution,
-    Joint,
     assign_devices,
     broadcast_together,
+    laid_out,
     reduce_together,
 )
 from xreduced.config import Config
@@ -45,7 +44,7 @@ from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFou
 from xreduced.executor import Deadline
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
-from xreduced.prepared import Prepared, PreparedCalls, Recent
+from xreduced.prepared import Prepared, PreparedCalls
 from xreduced.region_service import RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Rendezvous
@@ -88,9 +87,6 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
         self.prepared = PreparedCalls()
         """The request shapes validated before (:mod:`xreduced.prepared`)."""
-        self._compiled: Recent[tuple, tuple[Joint, dict[int, tuple[Any, list]]]] = Recent(JOINTS_KEPT)
-        """The express lane's collectives laid out (:meth:`express`), by joint shape, with each process's reply
-        to refill."""
         self.admission = Admission.from_config(self.config)
         self.held_elsewhere: Callable[[], int] = lambda: 0
         """Collectives waiting outside the rendezvous (the express lane's, :mod:`xreduced.express`); the daemon
@@ -237,7 +233,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         (request, :class:`~xreduced.prepared.Prepared` of its shape, shape). The tensors are decoded by their
         shapes, reduced once by :func:`~xreduced.collective.reduce_together` (which checks the processes agree
         unless these shapes passed together before), and each reply is encoded as the full path encodes it. The
-        next collective of the same shapes takes the layout that first one made (:class:`~xreduced.collective.Joint`)
+        next collective of the same shapes takes the layout that reduction kept (:func:`~xreduced.collective.laid_out`)
         and refills the replies it encoded: the same engine call, the same bytes. Only the lane's one thread
         calls this (the replies it refills are its own).
 
@@ -249,10 +245,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             replies = service.express("Reduce", 'collective 3 in group "g"',
                                       {0: (request0, prepared0, shape0), 1: (request1, prepared1, shape1)})
         """
-        joint = tuple((pid, kind, requests[pid][2]) for pid in sorted(requests))
-        compiled = self._compiled.get(joint)
-        deadline = decode.deadline(requests[joint[-1][0]][0], None, self.collective_timeout)
-        if compiled is None:  # the first time: joined and checked as any collective, then laid out
+        layout = laid_out(self.engine, kind, {pid: shape for pid, (_, _, shape) in requests.items()})
+        deadline = decode.deadline(requests[max(requests)][0], None, self.collective_timeout)
+        if layout is None:  # the first time: joined and checked as any collective, which lays it out
             shares = {}
             for pid, (request, prepared, shape) in requests.items():
                 _, resolved = prepared.decode(request)
@@ -260,22 +255,20 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                                            prepared.reduce_to, tuple(resolved), shape=shape)
             results = self._timed(kind, sum(_replica_bytes(v) for v, _ in resolved),
                                   lambda: reduce_together(self.engine, shares, label, deadline))
-            self._compiled.put(joint, (Joint(shares), {}))
             return {pid: self._reply(kind, rs, [None] * len(rs), codec.RAW).SerializeToString()
                     for pid, rs in results.items()}
-        layout, replies = compiled
         arrays = {pid: prepared.arrays(request) for pid, (request, prepared, _) in requests.items()}
-        results = self._timed(kind, sum(int(a[0].nbytes) for a in arrays[joint[0][0]]),
+        results = self._timed(kind, sum(int(a[0].nbytes) for a in arrays[min(arrays)]),
                               lambda: layout.reduce(self.engine, arrays, label, deadline))
         out = {}
+        to_host = self.engine.backend.to_host
         for pid, rs in results.items():
-            filled = replies.get(pid)
+            filled = layout.replies.get(pid)
             if filled is None:  # a reply of this collective's kind, devices, dtypes and shapes: refilled each time
                 message = self._reply(kind, rs, [None] * len(rs), codec.RAW)
                 values = [message.result] if kind == "Reduce" else [r.result for r in message.results]
-                replies[pid] = filled = (message, [c.tensor for v in values for c in v.components])
+                layout.replies[pid] = filled = (message, [c.tensor for v in values for c in v.components])
             message, tensors = filled
-            to_host = self.engine.backend.to_host
             for tensor, array in zip(tensors, (a for r in rs for a in r.arrays)):
                 tensor.raw_data = codec.raw_bytes(to_host(array))
             out[pid] = message.SerializeToString()
