@@ -289,8 +289,9 @@ def _resolve(job_addresses: Any, num_processes: Any, process_id: Any) -> tuple[t
 
 @dataclasses.dataclass
 class _Membership:
-    """The session that ties this process to its group across nodes: the daemon ends the group's epoch if
-    the session ends before the process leaves (the process died); see ``Peers.session_ended``."""
+    """The session that ties this process to its group: the daemon fails the group (on one daemon, or its epoch
+    across nodes) if the session ends before the process leaves (the process died); see the daemon's
+    ``xreduced.membership`` and ``Peers.session_ended``."""
 
     client: Client
     session: Session
@@ -399,9 +400,9 @@ class DistributionState:
         name = _env(ENV_GROUP) or "default"
         requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
         spec = pb.CollectiveSpec(group=name, num_processes=count, process_id=pid, name="join")
-        # A group with a coordinator lives in the daemons until its processes leave: a session ties this process
-        # to it, so that the daemon ends the group's epoch if this process dies without leaving.
-        membership = _Membership.open(self._address, self._token, self._timeout) if coordinator else None
+        # A session ties this process to its group: if the process dies without leaving, the daemon fails the
+        # group's collectives at once (on every node) instead of letting the others wait for it.
+        membership = _Membership.open(self._address, self._token, self._timeout)
         try:
             with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
                 reply = client.join_group(pb.JoinGroupRequest(
@@ -428,13 +429,14 @@ class DistributionState:
     def shutdown(self) -> None:
         """Forgets the recorded identity; :meth:`initialize` may run again. Idempotent.
 
-        A process of a group with a coordinator also tells its daemon it has left (``LeaveGroup``, best
-        effort, bounded): once all of a node's processes have, the daemon leaves the group.
+        A process of a multi-process group also tells its daemon it has left (``LeaveGroup``, best effort,
+        bounded): a group whose processes have all left is over; across nodes, once all of a node's processes
+        have, the daemon leaves the group.
         """
         with self._lock:
             group, self._info, self._group = self._group, None, None
             membership, self._membership = self._membership, None
-        if group is not None and group.epoch:
+        if group is not None:
             with contextlib.suppress(XReduceError), Client(self._address, timeout=LEAVE_TIMEOUT,
                                                            token=self._token) as client:
                 client.leave_group(pb.LeaveGroupRequest(group=group.group, epoch=group.epoch,

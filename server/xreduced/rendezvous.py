@@ -42,6 +42,9 @@ log = logging.getLogger("xreduced.rendezvous")
 ABANDON_POLL = 0.25
 """Seconds between two asks of a waiting collective's ``abandoned`` (how soon a failed epoch is noticed)."""
 
+JOIN = "name:join"
+"""The id of a group's join (``JoinGroup``), which a new membership starts with."""
+
 MAX_REPORT_GAP_SECONDS = 30.0
 """The longest gap between two reports of one waiting collective (unless the first report comes later)."""
 
@@ -413,6 +416,25 @@ class Rendezvous:
             self._open.setdefault(key, c)
             self._fail(key, c, error, True)
         self._flush(c)
+
+    def fail_group(self, group: str, error: ServiceError) -> None:
+        """Fails every collective of ``group`` waiting now but its join, for everyone, with ``error`` (the group
+        lost a process: they cannot complete). Each gets its own copy, named by its label.
+
+        Example:
+            >>> r = Rendezvous()
+            >>> r.fail_group("g", Aborted("process 1 died"))  # nothing waits: nothing to fail
+            >>> r.pending()
+            0
+        """
+        with self._lock:
+            waiting = [(key, c) for key, c in self._open.items() if key[0] == group and key[1] != JOIN]
+            for key, c in waiting:
+                copy = type(error)(f"{c.label} was aborted: {error}")
+                copy.process_ids = getattr(error, "process_ids", ())
+                self._fail(key, c, copy, True)
+        for _, c in waiting:
+            self._flush(c)
 
     def _leave(self, key, c: _Collective, process_id: int, remember: bool) -> None:
         with self._lock:

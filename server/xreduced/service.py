@@ -42,6 +42,7 @@ from xreduced.devices import DeviceTable
 from xreduced.engine import Engine, Result, Value, check_destinations, is_sparse, result_dtype
 from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from xreduced.executor import Deadline
+from xreduced.membership import LocalGroups
 from xreduced.metrics import Stats
 from xreduced.pipeline import current_call
 from xreduced.prepared import Prepared, PreparedCalls
@@ -101,6 +102,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.peers = peers.Peers(self.config, [self.devices.name(i).short for i in range(len(self.devices))],
                                  backend_name)
         self.regions.on_session_end(self.peers.session_ended)
+        self.local_groups = LocalGroups(self.rendezvous.fail_group)
+        """Who is in each group of this daemon, tied to their sessions (:mod:`xreduced.membership`)."""
+        self.regions.on_session_end(self.local_groups.session_ended)
         self.stats.watch_groups(self.peers.status)
 
     def ListDevices(self, request, context):
@@ -351,13 +355,21 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         if group.num_processes == 1:
             assigned = {0: devices or tuple(range(len(self.devices)))}
         else:
+            session = self._open_session(context)
+
             def join(shares):
                 assigned = assign_devices(shares, len(self.devices), self.engine.label, what)
                 # A new job of this group name: earlier jobs' failures no longer apply.
                 self.rendezvous.forget_failures(request.group)
-                return {pid: assigned for pid in shares}
+                generation = self.local_groups.start(request.group, group.num_processes)
+                return {pid: (assigned, generation) for pid in shares}
 
-            assigned = self._meet(group, devices, deadline, context, join, remember_failure=False)
+            assigned, generation = self._meet(group, devices, deadline, context, join, remember_failure=False,
+                                              joining=True)
+            if session is not None:
+                self.local_groups.watch(request.group, generation, group.process_id, session)
+                if self.regions.session(session) is None:  # it ended while the process joined: the process is gone
+                    self.local_groups.session_ended(session)
         names = {pid: [self.devices.canonical(d) for d in devs] for pid, devs in assigned.items()}
         return pb.JoinGroupResponse(
             local_devices=names[group.process_id],
@@ -376,7 +388,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             ...
             xreduced.errors.NotFound: group: this daemon is in no group 'default@10.0.0.1:1234' of epoch 1
         """
-        self.peers.leave(request.group, request.epoch, request.process_id)
+        if request.epoch or not self.local_groups.leave(request.group, request.process_id):
+            self.peers.leave(request.group, request.epoch, request.process_id)
         return pb.LeaveGroupResponse()
 
     def _join_across(self, request, devices: tuple[int, ...], deadline: Deadline, context) -> pb.JoinGroupResponse:
@@ -384,10 +397,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         a session (the SDK's ``initialize`` opens one for the group) ties the process to it: if the session ends
         before the process leaves (it exited or was killed), the epoch ends for everyone
         (:meth:`xreduced.peers.Peers.session_ended`)."""
-        session = session_of(context)
-        if session is not None and self.regions.session(session) is None:
-            raise FailedPrecondition(f"x-xreduce-session: {session[:8]}... is not an open session of this daemon "
-                                     "(it was closed, or the daemon restarted); open a new one, or send none")
+        session = self._open_session(context)
         cluster = self.peers.join(request.group, request.num_processes, request.process_id, request.coordinator,
                                   [self.devices.name(d).short for d in devices], max(deadline.remaining() or 0.0, 0.0))
         if session is not None:
@@ -407,6 +417,17 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             epoch=cluster.epoch, group=cluster.gid, nodes=cluster.nodes, node_index=cluster.node_index,
             engine=cluster.engine_name,
         )
+
+    def _open_session(self, context) -> str | None:
+        """The session a JoinGroup names, which ties its process to the group; None when it names none.
+
+        Raises:
+            FailedPrecondition: the session is not open (closed, or opened with a daemon that restarted)."""
+        session = session_of(context)
+        if session is not None and self.regions.session(session) is None:
+            raise FailedPrecondition(f"x-xreduce-session: {session[:8]}... is not an open session of this daemon "
+                                     "(it was closed, or the daemon restarted); open a new one, or send none")
+        return session
 
     def ReduceStream(self, request_iterator, context):
         """A BatchReduce whose tensors arrive and leave in chunks; :func:`xreduced.streaming.reduce_stream`
@@ -578,11 +599,14 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return cluster
 
     def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,
-              cluster: ClusterGroup | None = None, deferrable: bool = False):
+              cluster: ClusterGroup | None = None, deferrable: bool = False, joining: bool = False):
         """This process's share of the collective; with ``deferrable``, for a caller that can wait without a
         thread (a local-lane call: ``context.defers``) in a group on this node, a
-        :class:`~xreduced.deferred.Deferred` of it when the others have not all arrived."""
+        :class:`~xreduced.deferred.Deferred` of it when the others have not all arrived. A collective of a
+        group of this daemon that lost a process fails at once (not a join, which starts a new membership)."""
         across_nodes = cluster is not None and cluster.spans_nodes
+        if cluster is None and not joining:
+            self.local_groups.check(group.key[0], group.label)
         defer = Deferred() if deferrable and getattr(context, "defers", False) and not across_nodes else None
         try:
             self.admission.collectives.enter(group.key, group.label)

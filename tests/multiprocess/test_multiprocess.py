@@ -496,9 +496,10 @@ def _kill_mid_collective(d: DaemonProcess, count: int, group: str, victim: int, 
 @pytest.mark.slow
 def test_sigkill_mid_collective_aborts_the_others_then_a_restarted_job_works(daemon8, count):
     """The victim (process 1) is killed while the others wait in collective 1 and one process (the
-    late one) has not arrived. Then, realistically: the late one arrives (same error), the survivors'
-    next collective cannot complete and times out naming the dead process, and the job restarts: the
-    survivors re-join under a new group name with a new process 1 and their next collective works."""
+    late one) has not arrived. Then, realistically: the late one arrives (an error naming the victim), the
+    survivors' next collective fails at once naming the dead process (its session with the daemon ended:
+    the group has lost it), and the job restarts: the survivors re-join under a new group name with a new
+    process 1 and their next collective works."""
     group, restart = new_group("kill"), new_group("kill-restart")
     victim, late = 1, (count - 1 if count > 2 else 0)
     step = {"op": "reduce", "dtype": "float16", "shape": [4, 3], "reduce_op": "mean", "seed": 9}
@@ -523,13 +524,14 @@ def test_sigkill_mid_collective_aborts_the_others_then_a_restarted_job_works(dae
         # the collective with the victim's (fully sent) share, which is fair, so give it time.
         time.sleep(0.3)
         workers[late].send()
-        assert want in failed(workers[late].wait_step(3), "AbortedError")
+        gone = f'process {victim} of group "{group}" ended without leaving the group'
+        late_error = failed(workers[late].wait_step(3), "AbortedError")
+        assert want in late_error or gone in late_error
         assert_serving(daemon8)
         survivors = [w for w in workers if w.process_id != victim]
         for w in survivors:
-            message = failed(w.wait_step(4, 10), "DeadlineExceededError")
-            assert f'collective 2 in group "{group}" timed out' in message
-            assert f"waiting for process(es) [{victim}]" in message
+            message = failed(w.wait_step(4, 10), "AbortedError")  # whether it waited already or came after
+            assert message.startswith(f'collective 2 in group "{group}" ') and gone in message
         restarted = [{"op": "init", "stop_on_error": True}, step]
         workers_new = [mp_worker.WorkerProcess(daemon8.address, count, victim, restarted, restart)]
         results = {w.process_id: ok(w.finish(RUN_TIMEOUT)[7]) for w in survivors}
