@@ -1,11 +1,11 @@
 """Input for ``MirroredStrategy``: global batches split across replicas, ``InputContext``, ``InputOptions``.
 
-The split is TF's (``tf.data.experimental.ops.distribute.batch_sizes_for_worker``):
-a global batch of ``B`` rows over ``N`` replicas gives replica ``g`` either
-``B // N + 1`` rows (the first ``B % N`` replicas) or ``B // N``. ``B`` is the
-first batch's row count, as TF takes the dataset's static batch size; a later,
-shorter (partial) batch fills the replicas in that order with those sizes, so
-the last replicas may get empty batches (zero rows), as TF gives them.
+The split is what TF 2.21's ``MirroredStrategy`` does to a batched dataset (its
+rebatching, after the auto-shard rewrite, checked against TF itself in the tests):
+a batch of ``b`` rows over ``N`` replicas gives each replica, in global
+replica-id order, ``ceil(b / N)`` rows until the batch runs out, so the last
+replicas may get fewer rows or none (an empty batch), as TF gives them. Each
+batch is split on its own: a partial last batch too.
 """
 
 from __future__ import annotations
@@ -105,6 +105,18 @@ def elements(dataset: Any, where: str) -> Iterator[Any]:
     return iter(dataset)
 
 
+def per_replica_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Each replica's ``(start, stop)`` rows of a batch of ``rows`` (the module's rule).
+
+    Example:
+        >>> per_replica_rows(7, 3), per_replica_rows(10, 4)
+        ([(0, 3), (3, 6), (6, 7)], [(0, 3), (3, 6), (6, 9), (9, 10)])
+        >>> per_replica_rows(3, 4)  # fewer rows than replicas: the last ones get none
+        [(0, 1), (1, 2), (2, 3), (3, 3)]
+    """
+    return fill([-(-rows // parts)] * parts, rows)
+
+
 def global_batches(dataset: Any, parts: int, where: str) -> Iterator[tuple[Any, list[tuple[int, int]]]]:
     """Each global batch with every part's ``(start, stop)`` rows (the module's rule).
 
@@ -112,6 +124,20 @@ def global_batches(dataset: Any, parts: int, where: str) -> Iterator[tuple[Any, 
         >>> import numpy as np
         >>> [b for _, b in global_batches([np.arange(4), np.arange(3)], 2, "here")]
         [[(0, 2), (2, 4)], [(0, 2), (2, 3)]]
+    """
+    for k, batch in enumerate(elements(dataset, where)):
+        yield batch, per_replica_rows(batch_rows(f"{where}: batch {k}", batch), parts)
+
+
+def keras_batches(dataset: Any, parts: int, where: str) -> Iterator[tuple[Any, list[tuple[int, int]]]]:
+    """Each global batch with every process's ``(start, stop)`` rows by Keras' arithmetic
+    (``DataParallel.distribute_dataset``: TF's ``batch_sizes_for_worker`` with one replica per process,
+    the sizes set by the first batch, a later partial batch filling the processes in order).
+
+    Example:
+        >>> import numpy as np
+        >>> [b for _, b in keras_batches([np.arange(7), np.arange(3)], 2, "here")]
+        [[(0, 4), (4, 7)], [(0, 3), (3, 3)]]
     """
     sizes: list[int] | None = None
     first = 0
@@ -131,7 +157,8 @@ def rows_of(batch: Any, start: int, stop: int) -> Any:
 
 
 class Rows:
-    """The rows of each global batch that belong to one part of ``parts`` (re-iterable, like a dataset).
+    """The rows of each global batch that belong to one process of ``parts``, by Keras' arithmetic
+    (:func:`keras_batches`; re-iterable, like a dataset).
 
     Example:
         >>> import numpy as np
@@ -143,7 +170,7 @@ class Rows:
         self._dataset, self._parts, self._index, self._where = dataset, parts, index, where
 
     def __iter__(self) -> Iterator[Any]:
-        for batch, bounds in global_batches(self._dataset, self._parts, self._where):
+        for batch, bounds in keras_batches(self._dataset, self._parts, self._where):
             yield rows_of(batch, *bounds[self._index])
 
 

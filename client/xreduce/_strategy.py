@@ -312,10 +312,10 @@ class MirroredStrategy:
         torch, JAX) or tuples, lists and dicts of them, all with the same rows;
         an object with ``as_numpy_iterator()`` (a ``tf.data.Dataset``) is read
         through it. Each batch's rows go to the replicas in global replica-id
-        order, as TF splits them: the first ``B % N`` of ``N`` replicas get
-        ``B // N + 1`` rows, the others ``B // N``, ``B`` being the first
-        batch's rows; a later partial batch fills replicas in that order with
-        those sizes, so the last ones may get empty batches. Each step is the
+        order, as TF 2.21's ``MirroredStrategy`` splits them: of a batch of
+        ``b`` rows over ``N`` replicas, ``ceil(b / N)`` each until the rows run
+        out, so the last replicas may get fewer or none (an empty batch); a
+        partial last batch is split the same way. Each step is the
         batch's structure with a ``PerReplica`` over this process's replicas in
         place of each array; with several processes, each iterates the same
         global batches and keeps its own replicas' rows.
@@ -326,8 +326,7 @@ class MirroredStrategy:
 
         Raises:
             ValueError: ``dataset`` is not iterable; a batch whose arrays differ
-                in rows, holds a scalar, or is larger than the first; options
-                that cannot be honoured.
+                in rows or holds a scalar; options that cannot be honoured.
 
         Example:
             >>> import numpy as np, xreduce
@@ -367,19 +366,24 @@ class MirroredStrategy:
         return _input.distribute_datasets_from_function(self._input_replicas(), dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """This process's values of ``value``, one per local replica: a ``PerReplica``'s or
-        ``Mirrored``'s ``values``, else ``(value,)`` (TF's).
+        """This process's values of ``value``, one per local replica (TF's): a ``PerReplica``'s or
+        ``Mirrored``'s ``values``; for a nest (lists, tuples, dicts) holding distributed values, one nest
+        per local replica, each distributed value replaced by that replica's; else ``(value,)``.
 
         Example:
             >>> import numpy as np
             >>> s = MirroredStrategy(devices=["CPU:0", "CPU:1"])
             >>> s.experimental_local_results(PerReplica([np.int32(1), np.int32(2)], devices=["CPU:0", "CPU:1"]))
             (np.int32(1), np.int32(2))
+            >>> s.experimental_local_results({"a": PerReplica([1, 2], devices=["CPU:0", "CPU:1"]), "b": 3})
+            ({'a': 1, 'b': 3}, {'a': 2, 'b': 3})
             >>> s.experimental_local_results(5)
             (5,)
         """
         if isinstance(value, DistributedValues):
             return value.values
+        if isinstance(value, (list, tuple, dict)):
+            return tuple(select_replica(i, value) for i in range(len(self._devices())))
         return (value,)
 
     def gather(self, value: Any, axis: int) -> Any:

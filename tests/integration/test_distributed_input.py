@@ -1,9 +1,10 @@
 """``MirroredStrategy.experimental_distribute_dataset`` and ``distribute_datasets_from_function`` on a real daemon.
 
-TF's ``input_lib_test.py`` cases are ported by name; TensorFlow has no wheel for
-this Python, so the expected values are TF's own (they are literals in its
-tests) and a ``tf.data.Dataset`` is stood in for by a small object with the
-same iteration protocol (``as_numpy_iterator()``).
+TF's ``input_lib_test.py`` cases are ported by name; the expected values are TF's
+own (they are literals in its tests), and a small object with ``tf.data.Dataset``'s
+iteration protocol (``as_numpy_iterator()``) stands for a dataset here; real
+``tf.data.Dataset`` objects, side by side with TF's own strategy, are in
+``tests/tensorflow/test_tf_oracle.py``.
 """
 
 from __future__ import annotations

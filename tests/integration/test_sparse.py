@@ -1,7 +1,7 @@
 """Sparse values (``IndexedSlices``) reduced by the SDK against a real daemon, as TF reduces them.
 
-TensorFlow cannot be installed here (it has no wheel for this Python), so every expected value below is
-derived by hand from TF's source (``tensorflow/python/distribute``): ``cross_device_ops.py``
+Every expected value below is derived from TF's source (tests/tensorflow/test_tf_oracle.py puts the SDK
+side by side with TF 2.21 itself on the same semantics) (``tensorflow/python/distribute``): ``cross_device_ops.py``
 (``_simple_reduce``, ``ReductionToOneDevice``, ``AllReduceCrossDeviceOps._batch_all_reduce``, whose
 ``_do_batch_all_reduce_sparse`` hands sparse values to ReductionToOneDevice), ``cross_device_utils.py``
 (``split_by_sparsity``, ``aggregate_tensors_or_indexed_slices``, ``divide_by_n_tensors_or_indexed_slices``)

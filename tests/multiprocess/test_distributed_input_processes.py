@@ -2,10 +2,10 @@
 
 This module is also the worker: ``python test_distributed_input_processes.py PROCESS_ID`` joins the job
 (``xreduce.distribution.initialize``, two processes, devices from the daemon), runs every case and prints
-one JSON line per case. The test compares each process's rows with TF's and Keras' rules, derived by hand
-from their sources (TensorFlow has no wheel for this Python): ``input_lib_test.py``'s
-``testUnevenDatasetBatchesMultiWorker`` numbers with one replica per process, and Keras'
-``DataParallel.distribute_dataset`` (``batch_sizes_for_worker(B, P, 1, p)``, then shard ``p`` of ``P``).
+one JSON line per case. The test compares each process's rows with TF's split (each batch of ``b`` rows
+gives each replica ``ceil(b / N)`` in order, as TF 2.21's ``MirroredStrategy`` does: checked against TF
+itself in tests/tensorflow/test_tf_oracle.py) and with Keras' ``DataParallel.distribute_dataset``
+(``batch_sizes_for_worker(B, P, 1, p)``, then shard ``p`` of ``P``, from Keras' source).
 """
 
 from __future__ import annotations
@@ -129,11 +129,11 @@ def test_reduced_loss_equals_the_whole_batch_loss(two_each):
 
 
 def test_uneven_dataset_batches_one_replica_per_process(one_each):
-    """testUnevenDatasetBatchesMultiWorker's rule over 2 processes of 1 replica: the global batch of 8 gives
-    each process 4 rows; the partial batch of 6, 4 rows to process 0 and 2 to process 1."""
+    """TF's split over 2 processes of 1 replica (ceil(b / N) rows each, in order, each batch on its own): the
+    global batch of 8 gives each process 4 rows; the partial batch of 6, 3 rows each."""
     p0, p1 = (r["strategy"] for r in one_each)
-    assert p0["steps"] == [[rows(0, 4)], [rows(8, 12)]]
-    assert p1["steps"] == [[rows(4, 8)], [rows(12, 14)]]
+    assert p0["steps"] == [[rows(0, 4)], [rows(8, 11)]]
+    assert p1["steps"] == [[rows(4, 8)], [rows(11, 14)]]
 
 
 def test_one_input_pipeline_per_process(two_each):

@@ -1,6 +1,7 @@
 """Sparse values (``IndexedSlices``) reduced across real processes, and across nodes on a real Gloo engine.
 
-Expected values are derived by hand from TensorFlow's source (TF has no wheel for this Python): TF's
+Expected values are derived from TensorFlow's source (the one-process semantics they build on are checked
+against TF 2.21 itself in tests/tensorflow/test_tf_oracle.py): TF's
 ``CollectiveAllReduce`` concatenates every replica's values and indices in global device order (process 0's
 replicas first), as ``cross_device_ops_test.py``'s ``testAllReduceSparse`` and
 ``testAllReduceSparseVariableLength`` expect with 2 processes.

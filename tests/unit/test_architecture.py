@@ -5,7 +5,7 @@
 * the daemon imports nothing of the SDK but the shared wire package and the
   generated stubs;
 * the SDK imports the daemon only to start an embedded one;
-* ``import xreduce`` loads neither the daemon nor the bench tooling;
+* ``import xreduce`` loads neither the daemon nor the bench tooling, nor TensorFlow;
 * every module that docs/architecture.md names exists, and every module of
   client/ and server/ is named there.
 """
@@ -121,7 +121,7 @@ def test_the_sdk_imports_the_daemon_only_to_embed_it():
 def test_import_xreduce_loads_neither_the_daemon_nor_the_bench_tooling():
     code = ("import sys, xreduce, xreduce.distribute, xreduce.distribution\n"
             "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
-            "('xreduced', 'xreduce_bench', 'torch', 'mpi4py', 'matplotlib')}))")
+            "('xreduced', 'xreduce_bench', 'torch', 'mpi4py', 'matplotlib', 'tensorflow', 'keras')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -1,11 +1,10 @@
 """The arithmetic of input distribution (``xreduce._input``), no daemon.
 
-Expected numbers come from TensorFlow's source, derived by hand (TensorFlow has
-no wheel for this Python): ``batch_sizes_for_worker`` in
-``tensorflow/python/data/experimental/ops/distribute.py`` (its docstring's
-G=7, W=2, R=2 example), the partial-batch expectations of
-``tensorflow/python/distribute/input_lib_test.py`` and ``InputContextTest`` of
-``distribute_lib_test.py``.
+Keras' arithmetic (``DataParallel.distribute_dataset``) comes from TensorFlow's
+``batch_sizes_for_worker`` in ``tensorflow/python/data/experimental/ops/distribute.py``
+(its docstring's G=7, W=2, R=2 example) and Keras' own test data; ``InputContextTest``
+of ``distribute_lib_test.py``. ``MirroredStrategy``'s split is checked here for its
+invariants and against TensorFlow itself in ``tests/tensorflow/test_tf_oracle.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from xreduce._input import (
     check_options,
     fill,
     global_batches,
+    keras_batches,
+    per_replica_rows,
     split_sizes,
 )
 
@@ -89,9 +90,23 @@ def test_uneven_dataset_batches_two_replicas():
     assert got == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]], [[8], []]]
 
 
-def test_a_batch_larger_than_the_first_is_refused():
+def test_keras_refuses_a_batch_larger_than_the_first():
     with pytest.raises(ValueError, match=r"t: batch 1 has 5 rows, more than the 4 of batch 0"):
-        list(global_batches([np.zeros(4), np.zeros(5)], 2, "t"))
+        list(keras_batches([np.zeros(4), np.zeros(5)], 2, "t"))
+
+
+@given(st.integers(0, 300), st.integers(1, 16))
+def test_each_batch_is_split_by_ceil_rows_in_replica_order(rows, parts):
+    bounds = per_replica_rows(rows, parts)
+    size = -(-rows // parts)
+    assert [b - a for a, b in bounds] == [max(0, min(size, rows - i * size)) for i in range(parts)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    assert all(a == prev_b for (_, prev_b), (a, _) in zip(bounds, bounds[1:]))  # contiguous, in order
+
+
+def test_every_batch_is_split_on_its_own():
+    got = [bounds for _, bounds in global_batches([np.zeros(7), np.zeros(10), np.zeros(3)], 3, "t")]
+    assert got == [[(0, 3), (3, 6), (6, 7)], [(0, 4), (4, 8), (8, 10)], [(0, 1), (1, 2), (2, 3)]]
 
 
 @pytest.mark.parametrize(("batch", "message"), [
@@ -164,8 +179,8 @@ def test_input_context_rejects(kwargs, message):
 
 
 class TFLikeOptions:
-    """Stands in for tf.distribute.InputOptions (TensorFlow has no wheel for this Python): the same four
-    attributes, the replication mode an enum whose member is named as TF's."""
+    """An options object with tf.distribute.InputOptions' four attributes, the replication mode an enum whose
+    member is named as TF's (TF's own class is accepted too: tests/tensorflow/test_tf_oracle.py)."""
 
     def __init__(self, **fields):
         self.experimental_fetch_to_device = None

@@ -1,0 +1,201 @@
+"""The bridge between TensorFlow's tensors and the SDK: one daemon call per TF reduction.
+
+TF hands a :class:`~xreduce.tensorflow.HierarchicalCopyAllReduce` its values as
+``tf.distribute`` values of tensors (eager ones, or symbolic ones while Keras
+traces its ``tf.function``). :func:`run` turns the whole batch into one call of
+the SDK's front (:mod:`xreduce._ops`), which sends one request to the daemon:
+
+* eagerly, with the tensors' numpy views;
+* inside a ``tf.function``, as one ``tf.numpy_function`` op that takes every
+  replica's tensors and returns one result per value (TF's graph then copies it
+  to each destination device, as TF's own all-reduce ends with ``identity`` on
+  every device).
+
+Errors of the SDK become TF's own error classes (``tf.errors.AbortedError`` and
+so on), carrying the daemon's message, so that ``model.fit`` raises what a
+``tf.distribute`` user expects. An XLA-compiled function cannot run a Python op:
+it is refused while tracing, with what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
+
+from xreduce import _errors
+from xreduce._sparse import IndexedSlices
+from xreduce._values import Mirrored
+from xreduce.wire.contract import mean_dtype
+
+XLA_MESSAGE = (
+    "xreduce.tensorflow reduces through the xreduce daemon, a call XLA cannot compile (it runs as a "
+    "tf.numpy_function): run the step without XLA, e.g. model.compile(..., jit_compile=False) or "
+    "tf.function(jit_compile=False)"
+)
+
+_TF_ERRORS: dict[type, type] = {
+    _errors.InvalidArgumentError: tf.errors.InvalidArgumentError,
+    _errors.NotFoundError: tf.errors.NotFoundError,
+    _errors.DeadlineExceededError: tf.errors.DeadlineExceededError,
+    _errors.UnavailableError: tf.errors.UnavailableError,
+    _errors.ResourceExhaustedError: tf.errors.ResourceExhaustedError,
+    _errors.AbortedError: tf.errors.AbortedError,
+    _errors.UnauthenticatedError: tf.errors.UnauthenticatedError,
+    _errors.PermissionDeniedError: tf.errors.PermissionDeniedError,
+    _errors.CancelledError: tf.errors.CancelledError,
+    _errors.InternalError: tf.errors.InternalError,
+}
+
+
+def tf_error(error: Exception) -> Exception:
+    """The ``tf.errors`` exception for an SDK error (same message); other exceptions as they are.
+
+    Example:
+        >>> import grpc
+        >>> e = tf_error(_errors.AbortedError("collective 3 was aborted", grpc.StatusCode.ABORTED))
+        >>> type(e).__name__, e.message
+        ('AbortedError', 'collective 3 was aborted')
+    """
+    for kind, tf_kind in _TF_ERRORS.items():
+        if isinstance(error, kind):
+            return tf_kind(None, None, str(error))
+    return error
+
+
+def refuse_xla() -> None:
+    """Raises ``ValueError`` (:data:`XLA_MESSAGE`) while an XLA-compiled function is being traced."""
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        raise ValueError(XLA_MESSAGE)
+
+
+def numpy_call(fn: Callable[[list[np.ndarray]], list[np.ndarray]], inputs: Sequence[tf.Tensor],
+               outputs: Sequence[tuple[tf.DType, tf.TensorShape]], name: str) -> list[tf.Tensor]:
+    """``fn`` on the inputs' numpy values: now when eager, else as one ``tf.numpy_function`` op of the graph.
+
+    The results take ``outputs``' dtypes and static shapes. An SDK error comes out eagerly as its
+    ``tf.errors`` class (:func:`tf_error`); from a graph, as TF turns a Python exception raised in a
+    ``numpy_function`` into a status: ``InvalidArgumentError`` for the SDK's ``InvalidArgumentError`` (a
+    ``ValueError``), ``UnknownError`` for the others, its message holding the SDK error's class and message
+    (TF's py_func keeps no other error code).
+
+    Example:
+        >>> double = lambda arrays: [arrays[0] * 2]
+        >>> numpy_call(double, [tf.constant([1.0, 2.0])], [(tf.float32, tf.TensorShape([2]))], "x")[0].numpy()
+        array([2., 4.], dtype=float32)
+    """
+
+    def typed(*arrays: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(r, dtype=dtype.as_numpy_dtype) for r, (dtype, _) in zip(fn(list(arrays)), outputs)]
+
+    if tf.executing_eagerly():
+        try:
+            results = typed(*(t.numpy() for t in inputs))
+        except _errors.XReduceError as e:
+            raise tf_error(e) from None
+        return [tf.convert_to_tensor(r) for r in results]
+    refuse_xla()
+    results = tf.numpy_function(typed, list(inputs), [dtype for dtype, _ in outputs], stateful=True, name=name)
+    for tensor, (_, shape) in zip(results, outputs):
+        tensor.set_shape(shape)
+    return list(results)
+
+
+def copies(value: Any, devices: Sequence[str]) -> Any:
+    """``value`` (a tensor or ``tf.IndexedSlices``) copied to each device, regrouped as TF regroups an
+    all-reduce's results: a ``Mirrored``, or the one copy for one device.
+
+    Example:
+        >>> copies(tf.constant(1.0), ["/cpu:0"]).device.endswith("CPU:0")
+        True
+    """
+    out = []
+    for device in devices:
+        with tf.device(device):
+            if isinstance(value, tf.IndexedSlices):
+                shape = None if value.dense_shape is None else tf.identity(value.dense_shape)
+                out.append(tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices), shape))
+            else:
+                out.append(tf.identity(value))
+    return distribute_utils.regroup(out, wrap_class=tf_values.Mirrored)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One value of a TF reduction, with its devices as TF names them and as the daemon does."""
+
+    components: tuple[Any, ...]
+    """The replicas' tensors or ``tf.IndexedSlices``, as TF gave them."""
+    devices: tuple[str, ...]
+    """The daemon's name of each component's device."""
+    destinations: tuple[str, ...]
+    """The TF devices the result goes to."""
+    daemon_destinations: tuple[str, ...]
+    """The same devices, as the daemon names them."""
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the components are ``tf.IndexedSlices`` (reduced as TF does: concatenated)."""
+        return isinstance(self.components[0], tf.IndexedSlices)
+
+    def inputs(self) -> list[tf.Tensor]:
+        """The tensors that cross into numpy: each component, or each slice's values, indices and shape."""
+        if not self.sparse:
+            return [tf.convert_to_tensor(c) for c in self.components]
+        out = []
+        for c in self.components:
+            shape = c.dense_shape if c.dense_shape is not None else tf.constant([-1], tf.int64)
+            out += [c.values, c.indices, tf.cast(shape, tf.int64)]
+        return out
+
+    def outputs(self, op: str) -> list[tuple[tf.DType, tf.TensorShape]]:
+        """The dtypes and static shapes of the result as it comes back from numpy."""
+        first = self.components[0]
+        if self.sparse:
+            values = first.values
+            dtype = tf.as_dtype(mean_dtype(values.dtype.as_numpy_dtype)) if op == "MEAN" else values.dtype
+            return [(dtype, tf.TensorShape([None]).concatenate(values.shape[1:])),
+                    (first.indices.dtype, tf.TensorShape([None]))]
+        dtype = tf.as_dtype(first.dtype)
+        if op == "MEAN":
+            dtype = tf.as_dtype(mean_dtype(dtype.as_numpy_dtype))
+        return [(dtype, first.shape)]
+
+    def sdk_value(self, arrays: Any) -> list[Any]:
+        """The components as the SDK takes them, from ``arrays`` (an iterator over :meth:`inputs`' values)."""
+        if not self.sparse:
+            return [next(arrays) for _ in self.components]
+        out = []
+        for _ in self.components:
+            values, indices, shape = next(arrays), next(arrays), next(arrays)
+            out.append(IndexedSlices(values, indices, None if len(shape) == 1 and shape[0] < 0 else shape))
+        return out
+
+    def result(self, tensors: Any) -> Any:
+        """The TF result from :meth:`outputs`' tensors (an iterator), on every destination."""
+        if self.sparse:
+            values, indices = next(tensors), next(tensors)
+            first = self.components[0]
+            return copies(tf.IndexedSlices(values, indices, first.dense_shape), self.destinations)
+        return copies(next(tensors), self.destinations)
+
+
+def sdk_result(result: Any, sparse: bool) -> list[np.ndarray]:
+    """The arrays :meth:`Pair.outputs` describes, from an SDK result (a ``Mirrored`` holds the same result on
+    every destination: the first is taken; TF's graph copies it to each).
+
+    Example:
+        >>> sdk_result(Mirrored([np.ones(2), np.ones(2)], devices=["CPU:0", "CPU:1"]), sparse=False)
+        [array([1., 1.])]
+    """
+    first = result.values[0] if isinstance(result, Mirrored) else result
+    if sparse:
+        return [np.asarray(first.values), np.asarray(first.indices)]
+    return [first]
