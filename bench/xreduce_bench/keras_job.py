@@ -20,7 +20,8 @@ Every process builds the same model from ``--seed`` (process ``p`` adds ``p`` to
 only a broadcast of the initial values makes them equal) and fits the same global data,
 ``--batch`` rows a step, unshuffled, with SGD and momentum (a wrong gradient scale shows).
 It prints one JSON line per event on stdout (``{"event": "ready"}``, ``{"event": "fit", ...}``
-with the history and the steady seconds per step, ``{"event": "training"}`` once the first step has run,
+with the history, the seconds per step of the timed epochs (all in, and the median step's),
+``{"event": "training"}`` once the first step has run,
 ``{"event": "error", ...}``) and writes the
 weights to ``--out``.
 """
@@ -53,8 +54,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="turn off Grappler's arithmetic optimizer, which reorders TF's own sums at 4+ replicas")
     p.add_argument("--jit-compile", action="store_true")
     p.add_argument("--timed-epochs", type=int, default=0,
-                   help="after the first fit, fit this many epochs more and report seconds per step")
+                   help="after the first fit, fit this many epochs more and report seconds per step; then one epoch "
+                        "of a quarter of the steps, for the cost of a step without the epoch's own (the slope)")
     p.add_argument("--mwms-ports", default="", help="comma-separated ports of the MWMS workers")
+    p.add_argument("--profile", action="store_true",
+                   help="with --timed-epochs: the seconds spent in xreduce's bridge and in its SDK calls")
     p.add_argument("--out", default="", help="where to write the weights (.npz)")
     return p.parse_args(argv)
 
@@ -87,13 +91,54 @@ def build(keras, model: str):
     return keras.Sequential(layers)
 
 
+class Profile:
+    """Seconds spent in xreduce's bridge (the Python function a traced step calls: numpy in, the SDK call,
+    results out) and, within it, in the SDK's calls (transport and daemon), from when :meth:`reset` was called."""
+
+    def __init__(self):
+        self.bridge = self.sdk = 0.0
+        self.calls = 0
+
+    def install(self) -> None:
+        from xreduce import _ops
+        from xreduce.tensorflow import _bridge
+
+        numpy_call, batch_reduce = _bridge.numpy_call, _ops.CrossDeviceOps.batch_reduce
+
+        def timed_numpy_call(fn, *args, **kwargs):
+            def timed(arrays):
+                start = time.perf_counter()
+                try:
+                    return fn(arrays)
+                finally:
+                    self.bridge += time.perf_counter() - start
+                    self.calls += 1
+            return numpy_call(timed, *args, **kwargs)
+
+        def timed_batch_reduce(ops, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return batch_reduce(ops, *args, **kwargs)
+            finally:
+                self.sdk += time.perf_counter() - start
+
+        _bridge.numpy_call = timed_numpy_call
+        _ops.CrossDeviceOps.batch_reduce = timed_batch_reduce
+
+    def reset(self) -> None:
+        self.bridge = self.sdk = 0.0
+        self.calls = 0
+
+
 def _Training(keras):
-    """A callback that says ``{"event": "training"}`` once the first step has run."""
+    """A callback that says ``{"event": "training"}`` once the first step has run, and keeps when each step ended."""
 
     class Training(keras.callbacks.Callback):
         said = False
+        ends: list[float] = []
 
         def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
             if not self.said:
                 self.said = True
                 emit(event="training")
@@ -138,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     import keras
 
     emit(event="ready", pid=os.getpid())
+    profile = Profile()
+    if args.profile and args.strategy.startswith("xreduce"):
+        profile.install()
     try:
         strategy = strategy_of(args, tf)
         x, y = data(args.model, args.batch * args.steps + args.extra_rows)
@@ -146,17 +194,45 @@ def main(argv: list[str] | None = None) -> int:
             model = build(keras, args.model)
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"],
                           jit_compile=args.jit_compile)
-        if args.strategy == "mwms":  # keras-team/keras#20585: MWMS needs a built model and local metrics
-            model(x[:1])
+        if args.strategy == "mwms":
+            # keras-team/keras#20585: Keras 3's fit reduces its first batch with strategy.reduce, and each step's
+            # scalar metrics with strategy.reduce(..., axis=0), both of which MultiWorkerMirroredStrategy refuses:
+            # build from a local batch, and reduce the logged metrics per worker.
+            from keras.src.backend.tensorflow import trainer
+
+            with strategy.scope():
+                model._symbolic_build(data_batch=(x[:args.batch], y[:args.batch]))
+            model._maybe_symbolic_build = lambda *a, **k: None
+            trainer._collective_all_reduce_multi_worker = lambda strategy: False
+        training = _Training(keras)
         history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0,
-                            callbacks=[_Training(keras)])
-        seconds = None
+                            callbacks=[training])
+        seconds = median = slope = None
+        steps = None
         if args.timed_epochs:
+            profile.reset()
+            training.ends = []
             start = time.perf_counter()
-            model.fit(x, y, batch_size=args.batch, epochs=args.timed_epochs, shuffle=False, verbose=0)
-            seconds = (time.perf_counter() - start) / (args.timed_epochs * -(-len(x) // args.batch))
-        emit(event="fit", history=history.history, seconds_per_step=seconds,
-             replicas=strategy.num_replicas_in_sync, parameters=model.count_params())
+            model.fit(x, y, batch_size=args.batch, epochs=args.timed_epochs, shuffle=False, verbose=0,
+                      callbacks=[training])
+            elapsed = time.perf_counter() - start
+            steps = args.timed_epochs * -(-len(x) // args.batch)
+            seconds = elapsed / steps
+            median = float(np.median(np.diff(training.ends)))
+            bridge, sdk = profile.bridge, profile.sdk
+            few = max(1, args.steps // 4)
+            start = time.perf_counter()
+            model.fit(x[:few * args.batch], y[:few * args.batch], batch_size=args.batch, epochs=1, shuffle=False,
+                      verbose=0)
+            short = time.perf_counter() - start
+            slope = (elapsed / args.timed_epochs - short) / (args.steps - few)
+            profile.bridge, profile.sdk = bridge, sdk
+        emit(event="fit", history=history.history, seconds_per_step=seconds, median_step_seconds=median,
+             steady_step_seconds=slope,
+             replicas=strategy.num_replicas_in_sync, parameters=model.count_params(),
+             bridge_seconds_per_step=profile.bridge / steps if steps else None,
+             sdk_seconds_per_step=profile.sdk / steps if steps else None,
+             bridge_calls_per_step=profile.calls / steps if steps else None)
         if args.out:
             np.savez(args.out, *[np.asarray(w) for w in model.get_weights()])
     except Exception as e:  # the launcher reads it

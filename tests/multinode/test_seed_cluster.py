@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from netns import Nodes, needs_namespaces
+from netns import Nodes, needs_namespaces, start_node_daemons
 
 pytestmark = [needs_namespaces, pytest.mark.slow]
 
@@ -60,16 +60,7 @@ for line in sys.stdin:
 
 def start_daemons(nodes: Nodes) -> None:
     """One daemon per node, listening on the node's own loopback, its engine on the node's address."""
-    for node in nodes:
-        daemon = node.popen([sys.executable, "-m", "xreduced", "--listen", "127.0.0.1:50551", "--virtual-devices",
-                             "2", "--node-address", node.address, "--peer-timeout", str(PEER_TIMEOUT),
-                             "--heartbeat-interval", "0.5"], stderr=subprocess.PIPE, text=True)
-        for line in daemon.stderr:
-            if "event=serving" in line:
-                break
-        else:
-            pytest.fail(f"the daemon of {node} did not start")
-        daemon.stderr.close()  # its later log lines are not read: do not let them fill a pipe
+    start_node_daemons(nodes, 2, PEER_TIMEOUT)
 
 
 def trainer(node, process_id: int, argument_form: bool) -> subprocess.Popen:

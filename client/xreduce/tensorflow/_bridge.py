@@ -187,6 +187,64 @@ class Pair:
         return copies(next(tensors), self.destinations)
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Dense values that go to the same devices, of one dtype, sent as one: each replica's tensors flattened and
+    concatenated in TF (TF's own ``num_packs`` packing), the reduced buffer split back in TF. The daemon adds
+    element by element, so the numbers are the same as value by value; the SDK then handles one value, not
+    one per gradient."""
+
+    members: tuple[Pair, ...]
+    indices: tuple[int, ...]
+    """Each member's place in the batch."""
+
+    def sent(self) -> Pair:
+        """The one value the daemon reduces: per replica, the members' tensors, flattened, end to end."""
+        first = self.members[0]
+        components = []
+        for i, device_tensor in enumerate(first.components):
+            with tf.device(device_tensor.device):
+                components.append(tf.concat([tf.reshape(m.components[i], [-1]) for m in self.members], 0))
+        return dataclasses.replace(first, components=tuple(components))
+
+    def results(self, tensors: Any) -> list[Any]:
+        """Each member's result on every destination, from the reduced buffer (the next of ``tensors``)."""
+        shapes = [m.components[0].shape for m in self.members]
+        parts = tf.split(next(tensors), [s.num_elements() for s in shapes])
+        return [copies(tf.reshape(part, shape), m.destinations) for part, shape, m in zip(parts, shapes, self.members)]
+
+
+def pack(pairs: Sequence[Pair]) -> list[tuple[Pair, Callable[[Any], list[Any]], tuple[int, ...]]]:
+    """What to send for ``pairs``: each sparse value, or dense one of a shape not known yet, as it is; dense values
+    of one dtype on the same devices to the same destinations as one :class:`Packed` value. Each entry is (the
+    value sent, what makes the results of its members from the reduced tensors, their places in ``pairs``).
+
+    Example:
+        >>> with tf.device("/cpu:0"):
+        ...     a, b = tf.ones([2, 3]), tf.zeros([4])
+        >>> pairs = [Pair((a,), ("CPU:0",), ("/cpu:0",), ("CPU:0",)), Pair((b,), ("CPU:0",), ("/cpu:0",), ("CPU:0",))]
+        >>> [(sent.components[0].shape.as_list(), places) for sent, _, places in pack(pairs)]
+        [([10], (0, 1))]
+    """
+    groups: dict[tuple, list[int]] = {}
+    alone = []
+    for i, p in enumerate(pairs):
+        if p.sparse or not all(c.shape.is_fully_defined() for c in p.components):
+            alone.append(i)
+            continue
+        key = (tf.as_dtype(p.components[0].dtype), p.devices, p.destinations, p.daemon_destinations)
+        groups.setdefault(key, []).append(i)
+    out = [(pairs[i], lambda tensors, p=pairs[i]: [p.result(tensors)], (i,)) for i in alone]
+    for places in groups.values():
+        if len(places) == 1:
+            p = pairs[places[0]]
+            out.append((p, lambda tensors, p=p: [p.result(tensors)], tuple(places)))
+        else:
+            packed = Packed(tuple(pairs[i] for i in places), tuple(places))
+            out.append((packed.sent(), packed.results, tuple(places)))
+    return sorted(out, key=lambda entry: entry[2][0])
+
+
 def sdk_result(result: Any, sparse: bool) -> list[np.ndarray]:
     """The arrays :meth:`Pair.outputs` describes, from an SDK result (a ``Mirrored`` holds the same result on
     every destination: the first is taken; TF's graph copies it to each).

@@ -49,10 +49,7 @@ def shard(dataset: tf.data.Dataset, num_replicas: int, offset: int, local: int) 
         padding = tf.data.Dataset.from_tensors(empty).repeat(local)
         return step.skip(offset).take(local).concatenate(padding).take(local)
 
-    mine = steps.flat_map(mine)
-    options = tf.data.Options()  # already this process's: TF must not shard it again
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return mine.with_options(options)
+    return steps.flat_map(mine)
 
 
 def _empty(spec):

@@ -90,7 +90,9 @@ class _DaemonOps:
 
     def _reduce_batch(self, reduce_op: Any, value_destination_pairs: list, options: Any, single: bool) -> list:
         op = _op_name(reduce_op)
-        pairs = self._pairs(value_destination_pairs)
+        given = self._pairs(value_destination_pairs)
+        plan = _bridge.pack(given)
+        pairs = [sent for sent, _, _ in plan]
         timeout = getattr(options, "timeout_seconds", None)
         sdk_options = sdk.CommunicationOptions(timeout_seconds=timeout) if timeout else None
 
@@ -107,7 +109,11 @@ class _DaemonOps:
         outputs = [o for p in pairs for o in p.outputs(op)]
         name = "xreduce_reduce" if single else "xreduce_batch_reduce"
         tensors = iter(_bridge.numpy_call(reduce, inputs, outputs, name))
-        return [p.result(tensors) for p in pairs]
+        results: list[Any] = [None] * len(given)
+        for _, unpack, places in plan:
+            for place, result in zip(places, unpack(tensors)):
+                results[place] = result
+        return results
 
     _replicas: tuple[int, int] | None = None
     """(the global id of this process's first replica, the job's replica count), once a

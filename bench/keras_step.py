@@ -1,0 +1,146 @@
+"""A Keras training step through the daemon against TensorFlow's own, in the same run: ratios of step times.
+
+Two comparisons, each on an MLP of 82,689 parameters and one of about 1.07 M, global batch 64, SGD with momentum,
+in alternating rounds (xreduce, then the peer, ``--rounds`` times), each job fresh processes:
+
+* ``one process``: one process, 2 logical CPUs: ``tf.distribute.MirroredStrategy`` with
+  ``xreduce.tensorflow.HierarchicalCopyAllReduce`` against TF's own ``HierarchicalCopyAllReduce`` (target <= 1.1x);
+* ``two processes``: 2 processes x 1 replica: ``xreduce.tensorflow.MirroredStrategy`` on one daemon against TF's
+  ``MultiWorkerMirroredStrategy`` (RING) between the same two (target <= 0.5x).
+
+A step's time is the steady one: the slope of an epoch's wall time between an epoch of ``--steps`` steps and one of
+a quarter of them, after a first (tracing) epoch, so that an epoch's own start and end (the iterator, the metrics'
+reductions) are left out; the mean over the long epoch, which includes them, is reported beside it. For xreduce,
+where a step's time goes: in the bridge
+(the Python function the traced step calls: numpy in, the SDK call, results out), in the SDK's call (transport and
+daemon), and in the daemon's reduction (its ``xreduce_reduction_seconds`` of BatchReduce).
+
+    python bench/keras_step.py --rounds 3 > bench/results/keras-step.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import urllib.request
+
+from xreduce_bench.daemon import DaemonProcess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job(argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-m", "xreduce_bench.keras_job", *argv], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in argvs]
+    ended = [p.communicate(timeout=timeout) for p in procs]
+    out = []
+    for k, (stdout, stderr) in enumerate(ended):
+        events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        last = events[-1] if events else {"event": "none"}
+        if last["event"] != "fit":
+            last = dict(last, status=procs[k].returncode, stderr=stderr[-3000:])
+        out.append(last)
+    if any(e["event"] != "fit" for e in out):
+        raise RuntimeError(f"a job failed: {out}")
+    return out
+
+
+def reduction_seconds(metrics: str) -> tuple[float, float]:
+    """(sum, count) of the daemon's BatchReduce reductions so far."""
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("xreduce_reduction_seconds_") and "BatchReduce" in line:
+            name, value = line.rsplit(" ", 1)
+            found[name.split("{")[0].rsplit("_", 1)[-1]] = float(value)
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
+COMPARISONS = ("one process, 2 replicas", "two processes x 1 replica")
+
+
+def ours(name: str, common: list[str]) -> list[list[str]]:
+    """The xreduce job of comparison ``name``: each process's arguments."""
+    if name == COMPARISONS[0]:
+        return [["--strategy", "xreduce-ops", "--replicas", "2", "--profile", *common]]
+    return [["--strategy", "xreduce", "--replicas", "1", "--processes", "2", "--process-id", str(k), "--profile",
+             *common] for k in range(2)]
+
+
+def peer(name: str, common: list[str], ports: str) -> list[list[str]]:
+    """TF's job of comparison ``name``: each process's arguments (MWMS workers at ``ports``)."""
+    if name == COMPARISONS[0]:
+        return [["--strategy", "tf-hcar", "--replicas", "2", *common]]
+    return [["--strategy", "mwms", "--processes", "2", "--process-id", str(k), "--mwms-ports", ports, *common]
+            for k in range(2)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200, help="steps of the timed epoch")
+    p.add_argument("--models", default="mlp,mlp1m")
+    p.add_argument("--comparisons", default="1,2", help="1: one process against TF's own; 2: two against MWMS")
+    p.add_argument("--timeout", type=float, default=600.0)
+    args = p.parse_args()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1")
+    metrics = f"127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="xreduce-keras-") as tmp:
+        daemon = DaemonProcess(["--listen", f"unix:{tmp}/xreduced.sock", "--metrics-listen", metrics,
+                                "--log-level", "WARNING"])
+        env["XREDUCE_ADDRESS"] = daemon.address
+        try:
+            print(f"# bench/keras_step.py: {args.rounds} rounds, {args.steps} timed steps a job, global batch 64; "
+                  "milliseconds per step (steady / epoch mean)")
+            rows = []
+            for model in args.models.split(","):
+                common = ["--model", model, "--steps", str(args.steps), "--timed-epochs", "1"]
+                for name in [COMPARISONS[int(c) - 1] for c in args.comparisons.split(",")]:
+                    mine, theirs, profile = [], [], []
+                    for r in range(args.rounds):
+                        env["XREDUCE_GROUP"] = f"bench-{model}-{r}-{len(name)}"
+                        before = reduction_seconds(metrics)
+                        fits = job(ours(name, common), env, args.timeout)
+                        after = reduction_seconds(metrics)
+                        daemon_s = (after[0] - before[0]) / max(after[1] - before[1], 1)
+                        mine.append((max(f["steady_step_seconds"] for f in fits),
+                                     max(f["seconds_per_step"] for f in fits)))
+                        profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
+                                        statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
+                        fits = job(peer(name, common, f"{free_port()},{free_port()}"), env, args.timeout)
+                        theirs.append((max(f["steady_step_seconds"] for f in fits),
+                                       max(f["seconds_per_step"] for f in fits)))
+                        print(f"{model:6s} {name:26s} round {r}: xreduce {mine[-1][0] * 1e3:6.2f} / "
+                              f"{mine[-1][1] * 1e3:6.2f} ms, peer {theirs[-1][0] * 1e3:6.2f} / "
+                              f"{theirs[-1][1] * 1e3:6.2f} ms, ratio {mine[-1][0] / theirs[-1][0]:.2f} / "
+                              f"{mine[-1][1] / theirs[-1][1]:.2f} (bridge {profile[-1][0] * 1e3:.2f} ms, SDK call "
+                              f"{profile[-1][1] * 1e3:.2f} ms, daemon's reduction {profile[-1][2] * 1e3:.2f} ms)",
+                              flush=True)
+                    ratios = [m[0] / t[0] for m, t in zip(mine, theirs)]
+                    means = [m[1] / t[1] for m, t in zip(mine, theirs)]
+                    rows.append((model, name, statistics.median(m[0] for m in mine),
+                                 statistics.median(t[0] for t in theirs), statistics.median(ratios),
+                                 statistics.median(means)))
+            print("\n| model | comparison | xreduce (steady step) | peer | ratio | ratio of epoch means |")
+            print("|---|---|---|---|---|---|")
+            for model, name, mine_s, theirs_s, ratio, mean_ratio in rows:
+                other = "TF's HierarchicalCopyAllReduce" if name == COMPARISONS[0] else "MultiWorkerMirroredStrategy"
+                print(f"| {model} | {name} vs {other} | {mine_s * 1e3:.2f} ms | {theirs_s * 1e3:.2f} ms | "
+                      f"{ratio:.2f} | {mean_ratio:.2f} |")
+        finally:
+            daemon.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
