@@ -284,6 +284,7 @@ in_a_venv = pytest.mark.skipif(not (BIN / "activate").exists(), reason=f"{sys.ex
 
 @in_a_venv
 @pytest.mark.parametrize("path", [p for p in DOCS if _runnable(p, "console")], ids=_id)
+@pytest.mark.timeout(420)  # a file's commands, each bounded by TIMEOUT: the README's start TensorFlow jobs too
 def test_console_blocks(path):
     with tempfile.TemporaryDirectory(prefix="xreduce-docs-") as home:
         env = _fresh_env(HOME=home)
