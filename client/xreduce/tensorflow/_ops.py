@@ -25,12 +25,15 @@ from xreduce.tensorflow._devices import daemon_name, local_name
 
 
 def _op_name(reduce_op: Any) -> str:
-    """``"SUM"`` or ``"MEAN"`` from a ``tf.distribute.ReduceOp`` or its name in any case; TF's message otherwise."""
+    """``"SUM"`` or ``"MEAN"`` from a ``tf.distribute.ReduceOp``, or what the SDK takes (its name in any case).
+
+    Example:
+        >>> _op_name(reduce_util.ReduceOp.MEAN), _op_name("sum")
+        ('MEAN', 'SUM')
+    """
     if isinstance(reduce_op, reduce_util.ReduceOp):
-        return reduce_op.value
-    if isinstance(reduce_op, str) and reduce_op.upper() in ("SUM", "MEAN"):
-        return reduce_op.upper()
-    raise ValueError(f"`reduce_op` must be Reduce.SUM or Reduce.MEAN; got {reduce_op!r}")
+        reduce_op = reduce_op.value
+    return sdk.ReduceOp.from_value(reduce_op).value
 
 
 class _DaemonOps:
