@@ -18,7 +18,7 @@ import sys
 import time
 
 import pytest
-from children import child_env
+from children import Started, child_env
 from daemons import wait_log
 
 TIMEOUT = 60.0
@@ -31,27 +31,21 @@ def daemon(start_module_daemon):
                                "--collective-timeout", "120", "--log-level", "INFO")
 
 
-_started: list[subprocess.Popen] = []
+STARTED = Started()
 
 
 @pytest.fixture(autouse=True)
 def no_child_left():
     """Every child a test started is gone after it, whatever the test's outcome."""
     yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    STARTED.end_all()
 
 
 def child(daemon, group: str, pid: int, script: list[str]) -> subprocess.Popen:
     env = dict(child_env(), XREDUCE_ADDRESS=daemon.address, XREDUCE_GROUP=group,
                XREDUCE_STALL_WARNING_SECONDS="0")
-    proc = subprocess.Popen([sys.executable, __file__, str(pid), *script], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _started.append(proc)
-    return proc
+    return STARTED.popen([sys.executable, __file__, str(pid), *script], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
 
 
 def events(proc: subprocess.Popen) -> list[dict]:

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from children import child_env
+from children import Started, child_env
 from daemons import wait_log
 from tf_env import QUIET
 
@@ -29,27 +29,21 @@ def daemon(start_module_daemon):
                                "--collective-timeout", "120", "--log-level", "INFO")
 
 
-_started: list[subprocess.Popen] = []
+STARTED = Started()
 
 
 @pytest.fixture(autouse=True)
 def no_child_left():
     """Every process a test started is gone after it, whatever the test's outcome."""
     yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    STARTED.end_all()
 
 
 def start(daemon, argv: list[str], group: str, **env: str) -> subprocess.Popen:
     environ = dict(child_env(), XREDUCE_ADDRESS=daemon.address, XREDUCE_GROUP=group,
                    XREDUCE_STALL_WARNING_SECONDS="0", **QUIET, **env)
-    proc = subprocess.Popen([sys.executable, *argv], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    _started.append(proc)
-    return proc
+    return STARTED.popen([sys.executable, *argv], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
 
 
 def keras_job(daemon, group: str, processes: int, replicas: int, out: str = "", *flags: str) -> list[subprocess.Popen]:

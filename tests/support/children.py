@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 
@@ -17,3 +18,34 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, env.get("PYTHONPATH")) if p)
     return env
+
+
+class Started:
+    """The processes a test module starts; :meth:`end_all` ends those still running (a module's autouse fixture
+    calls it after each test, so that a failed test leaves no child behind).
+
+    Example:
+        >>> import sys
+        >>> started = Started()
+        >>> proc = started.popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        >>> started.end_all()
+        >>> proc.returncode is not None
+        True
+    """
+
+    def __init__(self):
+        self._procs: list[subprocess.Popen] = []
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(argv, **kwargs)``, remembered."""
+        proc = subprocess.Popen(argv, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def end_all(self) -> None:
+        """Kills every remembered process still running, and reaps them all."""
+        while self._procs:
+            proc = self._procs.pop()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
