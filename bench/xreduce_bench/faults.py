@@ -191,8 +191,9 @@ class Worker:
         from xreduce.distribute import PerReplica
 
         local = self._local()
+        devices = [step["bad_device"], *local[1:]] if "bad_device" in step else local  # a bad request
         values = [PerReplica([replica_array(step.get("seed", 0), t, r, spec["dtype"], spec["shape"],
-                                            step.get("fill", "int")) for r in self._replicas()], devices=local)
+                                            step.get("fill", "int")) for r in self._replicas()], devices=devices)
                   for t, spec in enumerate(step["tensors"])]
         return self._reduce(step, values, local)
 

@@ -404,7 +404,7 @@ class DistributionState:
         # group's collectives at once (on every node) instead of letting the others wait for it.
         membership = _Membership.open(self._address, self._token, self._timeout)
         try:
-            with Client(self._address, token=self._token) as client, _stall.watch(client, spec):
+            with Client(self._address, token=self._token) as client, _stall.watch(client, spec, coordinator):
                 reply = client.join_group(pb.JoinGroupRequest(
                     group=name, num_processes=count, process_id=pid, devices=requested, coordinator=coordinator),
                     session=membership.session.id if membership is not None else None)

@@ -139,6 +139,19 @@ def daemon_report(source: StatusSource | None) -> str:
             + "; its log names who is missing (event=collective_waiting).")
 
 
+def join_report(coordinator: str) -> str:
+    """What the warning says of a join across nodes, in place of the daemon's count of waiting collectives
+    (the join waits at the group's coordinator, not in the daemon's rendezvous).
+
+    Example:
+        >>> join_report("10.0.0.1:50570")
+        "The join waits at the group's coordinator, 10.0.0.1:50570, where every process registers through its own \
+node's daemon."
+    """
+    return (f"The join waits at the group's coordinator, {coordinator}, where every process registers through its "
+            "own node's daemon.")
+
+
 @dataclasses.dataclass
 class _Stall:
     spec: pb.CollectiveSpec
@@ -147,6 +160,8 @@ class _Stall:
     due: float
     gap: float
     first: float
+    note: str | None = None
+    """Said in place of the daemon's report (a join across nodes)."""
 
     def advance(self, now: float) -> None:
         """Moves ``due`` past ``now``."""
@@ -199,10 +214,18 @@ class Watcher:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def watching(self, spec: pb.CollectiveSpec, source: StatusSource | None, delay: float) -> Iterator[None]:
-        """Warns about collective ``spec`` after ``delay`` seconds (and later) until the block ends."""
+    def watching(self, spec: pb.CollectiveSpec, source: StatusSource | None, delay: float,
+                 coordinator: str = "") -> Iterator[None]:
+        """Warns about collective ``spec`` after ``delay`` seconds (and later) until the block ends; with a
+        ``coordinator``, ``spec`` is a join across nodes: its group is named ``group@coordinator``, as the
+        daemons name it, and the warning says where the join waits."""
         now = time.monotonic()
-        stall = _Stall(spec, source, now, now + delay, _next_gap(delay, delay), delay)
+        note = None
+        if coordinator:
+            spec = pb.CollectiveSpec(group=f"{spec.group}@{coordinator}", num_processes=spec.num_processes,
+                                     process_id=spec.process_id, name=spec.name)
+            note = join_report(coordinator)
+        stall = _Stall(spec, source, now, now + delay, _next_gap(delay, delay), delay, note)
         with self._cond:
             key = next(self._ids)
             self._stalls[key] = stall
@@ -231,7 +254,7 @@ class Watcher:
                     cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
                     continue
             for key, s in due:
-                text = message(s.spec, now - s.started, self._report(s.source))
+                text = message(s.spec, now - s.started, s.note or self._report(s.source))
                 with cond:
                     still = key in self._stalls  # the call may have completed while the daemon was asked
                 if still:
@@ -242,13 +265,15 @@ _watcher = Watcher()
 os.register_at_fork(after_in_child=_watcher._reset)
 
 
-def watch(source: StatusSource | None, spec: pb.CollectiveSpec | None) -> contextlib.AbstractContextManager[None]:
+def watch(source: StatusSource | None, spec: pb.CollectiveSpec | None,
+          coordinator: str = "") -> contextlib.AbstractContextManager[None]:
     """Warns while collective ``spec`` waits longer than :data:`ENV_STALL_WARNING` seconds (no-op without
     a ``spec`` of several processes, or with the variable at 0).
 
     Args:
         source: the client whose daemon is asked (``GetStatus``) when a warning is due; None: not asked.
         spec: the collective, as its request names it (``JoinGroup``'s with ``name="join"``).
+        coordinator: the group's coordinator, for a join across nodes (see :meth:`Watcher.watching`).
 
     Raises:
         ValueError: :data:`ENV_STALL_WARNING` is not a number of seconds >= 0.
@@ -262,4 +287,4 @@ def watch(source: StatusSource | None, spec: pb.CollectiveSpec | None) -> contex
     delay = warning_seconds()
     if delay is None:
         return contextlib.nullcontext()
-    return _watcher.watching(spec, source, delay)
+    return _watcher.watching(spec, source, delay, coordinator)

@@ -31,12 +31,15 @@ replica count.
 
 Before the bytes, the nodes exchange a small header: whether each node's
 processes agreed (or why not), a signature of the collective (kind, op,
-options, dtypes, shapes), and its replica count; a node whose processes
-disagreed makes the collective fail everywhere, naming it. Anything that breaks
-the lockstep (a process that left, a timeout, a lost node, an engine error)
-ends the epoch: every participant fails with ABORTED or UNAVAILABLE naming who
-was lost, nobody gets a partial sum, and the processes form a new epoch by
-initializing again.
+options, dtypes, shapes), and its replica count. A node whose processes
+disagreed, or one of whose processes sent a request its daemon rejected (an
+unknown device, a bad tensor), still takes its turn in sequence order, with a
+refusal and its reason (:func:`refuse_across`): that collective fails on every
+node with the reason, naming the node, and the epoch goes on. Anything that
+breaks the lockstep (a process that left, a timeout, a lost node, an engine
+error) ends the epoch: every participant fails with ABORTED or UNAVAILABLE
+naming who was lost, nobody gets a partial sum, and the processes form a new
+epoch by initializing again.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from xreduced.collective import (
     share_of,
 )
 from xreduced.engine import MEAN, SUM, Engine, Result, Value, is_sparse
-from xreduced.errors import InvalidArgument, ServiceError
+from xreduced.errors import Aborted, InvalidArgument, ServiceError
 from xreduced.executor import Deadline
 
 _HEADER = 48
@@ -69,7 +72,11 @@ _HEADER = 48
 _MAX_NDIM = _HEADER - 8
 PIPELINE_BYTES = 4 << 20
 """Tensors larger than this cross nodes in pieces of this size (see :func:`node_sums_across`)."""
-_OK, _REFUSED = 0, 1
+_OK, _REFUSED, _REJECTED = 0, 1, 2
+"""A header's status: the node goes on; its processes disagreed (INVALID_ARGUMENT everywhere); one of its
+processes' requests was rejected before the rendezvous (ABORTED everywhere, as on one node)."""
+_TEXT = 1024
+"""Bytes of a refusal's reason as the nodes all-gather it (longer reasons are cut)."""
 
 
 
@@ -127,8 +134,9 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         refused, mine = e, header(_REFUSED)
 
     def work(gloo_engine, headers, timeout):
-        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
-            return None, 0
+        reasons = _reasons(gloo_engine, headers, str(refused or ""), timeout)
+        if reasons is not None or not _agree(headers):
+            return reasons, 0
         sparse = [t for t, (v, _) in enumerate(joined) if is_sparse(v)]
         dense = [t for t in range(len(joined)) if t not in sparse]
         totals: list = [None] * len(joined)
@@ -148,7 +156,7 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
     headers, totals = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
-    _check_headers(cluster, headers, what)
+    _check_headers(cluster, headers, what, totals)
     total_replicas = int(sum(h[2] for h in headers))
     finals = [_final(engine, t, total_replicas if ref.op == MEAN else None, joined[i]) for i, t in enumerate(totals)]
     results: dict[int, list[Result]] = {}
@@ -324,15 +332,16 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     root = cluster.node_of.get(source_pid, 0)
 
     def work(engine, headers, timeout):
-        if not (all(h[0] == _OK for h in headers) and _agree(headers)):
-            return None, 0
+        reasons = _reasons(engine, headers, str(refused or ""), timeout)
+        if reasons is not None or not _agree(headers):
+            return reasons, 0
         data = array.reshape(-1).view(np.uint8) if array is not None else np.empty(int(headers[root][3]), np.uint8)
         return engine.broadcast(data, root, timeout), data.nbytes
 
     headers, received = cluster.exchange(sequence, mine, work, deadline, what)
     if refused is not None:
         raise refused
-    _check_headers(cluster, headers, what)
+    _check_headers(cluster, headers, what, received)
     if source_pid in shares:
         return broadcast_together(engine, shares, what, deadline)
     h = headers[root]
@@ -345,6 +354,34 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     dests = sorted({d for share in shares.values() for d in share.destinations})
     result = engine.broadcast(received, dests[0], dests, deadline, out=out or None)
     return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
+
+
+def refuse_across(cluster: ClusterGroup, sequence: int, reason: str, what: str, deadline: Deadline) -> None:
+    """This node's turn in collective ``sequence``, whose request one of its processes sent was rejected
+    before the rendezvous (``reason`` says why): the other nodes' processes fail that collective with the
+    reason instead of waiting for this node, and the nodes stay in step.
+
+    Raises:
+        Aborted / Unavailable / DeadlineExceeded: see :meth:`ClusterGroup.exchange`.
+    """
+    cluster.exchange(sequence, header(_REJECTED), lambda engine, headers, timeout: (
+        _reasons(engine, headers, reason, timeout), 0), deadline, what)
+
+
+def _reasons(engine: gloo.GlooEngine, headers: list[np.ndarray], mine: str, timeout: float) -> list[str] | None:
+    """Every node's reason, node 0's first, when a node refused the collective (``mine`` is this node's, or
+    empty); None when every node goes on. Every node sees the same headers, so all gather or none does.
+
+    Example:
+        >>> _reasons(None, [header(_OK), header(_OK)], "", 1.0) is None
+        True
+    """
+    if all(h[0] == _OK for h in headers):
+        return None
+    text = np.zeros(_TEXT, np.uint8)
+    raw = mine.encode()[:_TEXT]
+    text[:len(raw)] = np.frombuffer(raw, np.uint8)
+    return [bytes(part).rstrip(b"\0").decode(errors="replace") for part in engine.all_gather(text, timeout)]
 
 
 def sum_across(engine: gloo.GlooEngine, sums: list[np.ndarray], timeout: float) -> tuple[list[np.ndarray], int]:
@@ -383,12 +420,13 @@ def _agree(headers: list[np.ndarray]) -> bool:
     return len({int(h[1]) for h in headers}) == 1
 
 
-def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str) -> None:
+def _check_headers(cluster: ClusterGroup, headers: list[np.ndarray], what: str, reasons: list[str] | None) -> None:
+    """Raises the collective's failure on another node (with that node's reason), or the nodes' disagreement."""
     refused = [i for i, h in enumerate(headers) if h[0] != _OK]
     if refused:
-        raise InvalidArgument(
-            f"{what} failed on " + ", ".join(cluster.describe(i) for i in refused)
-            + ": its processes disagreed or sent a bad request (that node's processes got the details)")
+        kind = Aborted if any(headers[i][0] == _REJECTED for i in refused) else InvalidArgument
+        raise kind(f"{what} failed on " + "; ".join(
+            f"{cluster.describe(i)}: {reasons[i] if reasons else 'its request was refused'}" for i in refused))
     if not _agree(headers):
         mine = int(headers[cluster.node_index][1])
         others = [i for i, h in enumerate(headers) if int(h[1]) != mine]

@@ -50,7 +50,7 @@ class ClusterGroup:
         engine: the engine among the nodes (Gloo), or None for a group on one node.
         device_engine: the engine for node sums in GPU memory (NCCL, :mod:`xreduced.nccl_engine`), or None.
         beat: sends one heartbeat; returns the coordinator's :class:`pb.EpochState`.
-        report: ends the epoch at the coordinator: ``report(reason, process_ids)``.
+        report: ends the epoch at the coordinator: ``report(reason, process_ids, left)``.
         attend: opens the attendance stream (``Peers.Attend``): the epoch's end arrives on it at once.
     """
 
@@ -82,6 +82,7 @@ class ClusterGroup:
         for it, so the coordinator hears the report before the attendance stream closes (which it would take
         for this node's loss)."""
         self._next = 0  # the next sequence number to enter the engine
+        self._claimed: set[int] = set()  # sequences a refusal of this node will enter (see claim)
         self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xreduced-engine")
         self._closed = threading.Event()
         self._heart = threading.Thread(target=self._heartbeats, name="xreduced-heartbeat", daemon=True)
@@ -121,9 +122,10 @@ class ClusterGroup:
     # --- failure ---------------------------------------------------------------------------------------------
 
     def fail(self, reason: str, lost: list[pb.LostPeer] = (), report: bool = False,
-             process_ids: list[int] = (), coordinator: bool = False) -> None:
+             process_ids: list[int] = (), coordinator: bool = False, left: bool = False) -> None:
         """Ends this epoch here (and, with ``report``, at the coordinator, so every node learns); ``coordinator``:
-        because the coordinator stopped answering."""
+        because the coordinator stopped answering; ``left``: because every process of a node left the group,
+        a job's end (logged at INFO, not as a failure)."""
         with self._lock:
             if self.failed.is_set():
                 return
@@ -133,12 +135,15 @@ class ClusterGroup:
             if report:
                 self._reported = threading.Event()
             self._lock.notify_all()
-        log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
+        if left:
+            log.info("event=group_ended group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
+        else:
+            log.warning("event=group_failed group=%s epoch=%d reason=%r", self.gid, self.epoch, reason)
         self._close_engines()  # lets their connections go (a call waiting on a peer ends by its timeout, or aborts)
         self._lane.shutdown(wait=False, cancel_futures=True)  # its thread ends once a call in it does
         if report:
             with contextlib.suppress(Exception):  # the coordinator may be what was lost
-                self._report(reason, list(process_ids))
+                self._report(reason, list(process_ids), left)
             self._reported.set()
 
     def error(self) -> ServiceError:
@@ -174,13 +179,14 @@ class ClusterGroup:
                 continue
             last_ok = time.monotonic()
             if not state.ok:
-                self.fail(state.reason or f"epoch {self.epoch} is over", list(state.lost))
+                self.fail(state.reason or f"epoch {self.epoch} is over", list(state.lost), left=state.left)
 
     def _attend(self) -> None:
         try:
             for reply in self._stream:
                 if not reply.state.ok:
-                    self.fail(reply.state.reason or f"epoch {self.epoch} is over", list(reply.state.lost))
+                    self.fail(reply.state.reason or f"epoch {self.epoch} is over", list(reply.state.lost),
+                              left=reply.state.left)
                     return
         except grpc.RpcError:
             pass  # closed here, or the coordinator is gone: the heartbeats tell which, within the peer timeout
@@ -201,9 +207,19 @@ class ClusterGroup:
     # --- the engine, in sequence order -----------------------------------------------------------------------
 
     def entered(self, sequence: int | None) -> bool:
-        """Whether collective ``sequence`` has entered the engine (so the nodes are still in step)."""
+        """Whether collective ``sequence`` has entered the engine, or a refusal of it will (:meth:`claim`): the
+        nodes stay in step."""
         with self._lock:
-            return sequence is not None and self._next > sequence
+            return sequence is not None and (self._next > sequence or sequence in self._claimed)
+
+    def claim(self, sequence: int | None) -> bool:
+        """Takes collective ``sequence`` for a refusal by this node (a process's request was rejected before
+        the rendezvous); False when it has entered the engine or was claimed before (nothing to do)."""
+        with self._lock:
+            if sequence is None or self._next > sequence or sequence in self._claimed:
+                return False
+            self._claimed.add(sequence)
+            return True
 
     def exchange(self, sequence: int, mine: np.ndarray, work: Callable, deadline: Deadline, label: str):
         """All-gathers the headers, then runs ``work(engine, headers, timeout)`` (which moves the bytes, on
@@ -229,6 +245,7 @@ class ClusterGroup:
                 self.fail(f"{label} found collective {self._next} still before it after its deadline", report=True)
                 raise self.error()
             self._next += 1
+            self._claimed.discard(sequence)
             self._lock.notify_all()
             future = self._lane.submit(self._run, mine, work, deadline)
         start = time.perf_counter()

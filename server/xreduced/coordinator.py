@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -49,6 +49,8 @@ class _Registration:
     node: pb.NodeIdentity
     devices: tuple[str, ...]
     last_epoch: int = 0
+    withdrawn: bool = False
+    """Its Register call ended before the epoch formed (see :meth:`Coordinator.register`)."""
 
 
 @dataclasses.dataclass
@@ -61,6 +63,8 @@ class _Epoch:
     """Node index -> when it last beat (from the epoch's forming on)."""
     ok: bool = True
     reason: str = ""
+    left: bool = False
+    """It ended because every process of a node left (a job's end), not by a failure."""
     lost: list[pb.LostPeer] = dataclasses.field(default_factory=list)
     store: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
@@ -111,12 +115,20 @@ class Coordinator:
 
     # --- membership ------------------------------------------------------------------------------------------
 
-    def register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterResponse:
+    def register(self, request: pb.RegisterRequest, timeout: float,
+                 on_end: Callable[[Callable[[], None]], bool] | None = None) -> pb.RegisterResponse:
         """Adds a process to the group's forming epoch; waits until all have registered.
+
+        Args:
+            on_end: registers a callback run when the Register call ends (gRPC's ``context.add_callback``;
+                False: it has ended already). A call that ends before the epoch forms (its process died
+                while it joined, and its daemon cancelled the call) withdraws its registration, so the
+                restarted process registers again at once.
 
         Raises:
             InvalidArgument: a bad field, a num_processes that disagrees, a process registered twice.
             DeadlineExceeded: not every process registered within ``timeout``; names who is missing.
+            Aborted: the call ended (was cancelled) before the epoch formed.
         """
         name, count, pid = request.group, request.num_processes, request.process_id
         if not name:
@@ -142,8 +154,11 @@ class Coordinator:
             if not group.round:
                 group.formed = threading.Event()
                 group.round_error = None
-            group.round[pid] = _Registration(pid, request.node, tuple(request.devices), request.last_epoch)
+            mine = group.round[pid] = _Registration(pid, request.node, tuple(request.devices),
+                                                    request.last_epoch)
             formed = group.formed
+            log.info("event=registered group=%s process=%d registered=%d num_processes=%d", gid, pid,
+                     len(group.round), count)
             if len(group.round) == count:
                 try:
                     group.epoch = self._form(group)
@@ -154,15 +169,30 @@ class Coordinator:
                     group.round_error = Internal(f"forming group {gid!r} failed in the coordinator; see its log")
                 group.round = {}
                 formed.set()
-        if not formed.wait(timeout):
+                self._lock.notify_all()
+
+        def withdraw() -> None:
             with self._lock:
-                if not formed.is_set():
-                    missing = [p for p in range(count) if p not in group.round][:10]
-                    group.round.pop(pid, None)
-                    raise DeadlineExceeded(
-                        f"the join of group {gid!r} timed out after {timeout:.3g}s waiting for process(es) "
-                        f"{missing} to register with the coordinator; registered: {sorted(group.round)}")
+                if not formed.is_set() and group.round.get(pid) is mine:
+                    del group.round[pid]
+                    log.info("event=registration_withdrawn group=%s process=%d registered=%d", gid, pid,
+                             len(group.round))
+                mine.withdrawn = True
+                self._lock.notify_all()
+
+        if on_end is not None and not on_end(withdraw):
+            withdraw()
         with self._lock:
+            self._lock.wait_for(lambda: formed.is_set() or mine.withdrawn, timeout)
+            if not formed.is_set():
+                missing = [p for p in range(count) if p not in group.round][:10]
+                if group.round.get(pid) is mine:
+                    del group.round[pid]
+                if mine.withdrawn:
+                    raise Aborted(f"the join of process {pid} of group {gid!r} ended before the epoch formed")
+                raise DeadlineExceeded(
+                    f"the join of group {gid!r} timed out after {timeout:.3g}s waiting for process(es) "
+                    f"{missing} to register with the coordinator; registered: {sorted(group.round)}")
             if group.round_error is not None:
                 raise type(group.round_error)(str(group.round_error))
             epoch = group.epoch
@@ -247,8 +277,9 @@ class Coordinator:
                       f"{[p.process_id for p in node.processes]}): {reason}", [_lost(node, reason)])
 
     def report_failure(self, gid: str, epoch: int, node_id: str, reason: str,
-                       process_ids: list[int]) -> pb.EpochState:
-        """Ends ``epoch`` because a node found a failure; the processes named are lost."""
+                       process_ids: list[int], left: bool = False) -> pb.EpochState:
+        """Ends ``epoch`` because a node found a failure (the processes named are lost), or, with ``left``,
+        because every process of the node left the group (a job's end)."""
         with self._lock:
             group, current = self._epoch(gid, epoch)
             if current is not None and current.ok:
@@ -257,7 +288,7 @@ class Coordinator:
                 lost = [pb.LostPeer(node_index=index if index is not None else -1,
                                     address=current.nodes[index].address if index is not None else "",
                                     process_ids=process_ids, reason=reason)] if process_ids else []
-                self._end(current, f"{who} reported: {reason}", lost)
+                self._end(current, f"{who} reported: {reason}", lost, left=left)
             return self._state(group, current, epoch)
 
     def _epoch(self, gid: str, epoch: int) -> tuple[_Group | None, _Epoch | None]:
@@ -271,17 +302,22 @@ class Coordinator:
             return pb.EpochState(ok=False, epoch=newest, reason=(
                 f"epoch {epoch} is over: the group is at epoch {newest}" if newest else "the coordinator does not "
                 "know this group (it may have restarted): initialize again"))
-        return pb.EpochState(ok=current.ok, epoch=newest, lost=current.lost, reason=current.reason)
+        return pb.EpochState(ok=current.ok, epoch=newest, lost=current.lost, reason=current.reason,
+                             left=current.left)
 
-    def _end(self, epoch: _Epoch, reason: str, lost: list[pb.LostPeer]) -> None:
-        """With the lock held: the epoch is over for everyone."""
+    def _end(self, epoch: _Epoch, reason: str, lost: list[pb.LostPeer], left: bool = False) -> None:
+        """With the lock held: the epoch is over for everyone; ``left``: a job's end (logged at INFO), not a
+        failure."""
         if not epoch.ok:
             return
-        epoch.ok, epoch.reason, epoch.lost = False, reason, list(lost)
+        epoch.ok, epoch.reason, epoch.lost, epoch.left = False, reason, list(lost), left
         epoch.store.clear()
         self._lock.notify_all()
-        log.warning("event=epoch_failed epoch=%d reason=%r lost=%s", epoch.number, reason,
-                    ",".join(f"node{p.node_index}" for p in lost) or "none")
+        if left:
+            log.info("event=epoch_ended epoch=%d reason=%r", epoch.number, reason)
+        else:
+            log.warning("event=epoch_failed epoch=%d reason=%r lost=%s", epoch.number, reason,
+                        ",".join(f"node{p.node_index}" for p in lost) or "none")
 
     def _watch(self) -> None:
         """Ends every epoch a node has gone silent in for ``peer_timeout`` seconds."""
@@ -409,7 +445,8 @@ class PeersService(pb_grpc.PeersServicer):
         return max(0.0, min(wanted, remaining) if remaining is not None else wanted)
 
     def Register(self, request, context):
-        return _answer(context, lambda: self.coordinator.register(request, self._timeout(request, context)))
+        return _answer(context, lambda: self.coordinator.register(request, self._timeout(request, context),
+                                                                  getattr(context, "add_callback", None)))
 
     def Heartbeat(self, request, context):
         return pb.HeartbeatResponse(state=self.coordinator.heartbeat(request.group, request.epoch, request.node_id))
@@ -429,7 +466,8 @@ class PeersService(pb_grpc.PeersServicer):
 
     def ReportFailure(self, request, context):
         return pb.ReportFailureResponse(state=self.coordinator.report_failure(
-            request.group, request.epoch, request.node_id, request.reason, list(request.process_ids)))
+            request.group, request.epoch, request.node_id, request.reason, list(request.process_ids),
+            request.left))
 
     def StoreSet(self, request, context):
         return _answer(context, lambda: self.coordinator.store_set(

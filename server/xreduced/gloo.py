@@ -148,6 +148,10 @@ class GlooEngine:
         >>> [part.tolist() for part in out[1]]
         [[0, 0, 0], [1, 1, 1]]
         >>> for e in engines: e.close()
+        >>> engines[0].all_gather(np.zeros(3, np.uint8), 5.0)  # its epoch ended: no call on a torn-down group
+        Traceback (most recent call last):
+        ...
+        xreduced.gloo.EngineError: the engine is closed: the group's epoch ended
     """
 
     name = "gloo"
@@ -180,7 +184,7 @@ class GlooEngine:
         parts = [torch.empty(source.shape, dtype=torch.uint8) for _ in range(self.size)]
         options = self._c10d.AllgatherOptions()
         options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
-        self._wait(self._group.allgather([parts], [source], options))
+        self._wait(self._live().allgather([parts], [source], options))
         return [p.numpy() for p in parts]
 
     def all_reduce(self, buffer: np.ndarray, timeout: float) -> np.ndarray:
@@ -204,7 +208,7 @@ class GlooEngine:
         options = self._c10d.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
         try:
-            return self._group.allreduce([tensor], options)
+            return self._live().allreduce([tensor], options)
         except RuntimeError as e:
             raise EngineError(_short(e)) from None
 
@@ -228,8 +232,16 @@ class GlooEngine:
         options.rootRank = root
         options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
         target = buffer if buffer.flags.writeable else buffer.copy()  # the root only sends, but torch wants it writable
-        self._wait(self._group.broadcast([torch.from_numpy(target)], options))
+        self._wait(self._live().broadcast([torch.from_numpy(target)], options))
         return target
+
+    def _live(self):
+        """The process group; after :meth:`close` (the epoch ended meanwhile) an :class:`EngineError`, never a
+        call on a torn-down group."""
+        group = getattr(self, "_group", None)
+        if group is None:
+            raise EngineError("the engine is closed: the group's epoch ended")
+        return group
 
     def _wait(self, work) -> None:
         try:

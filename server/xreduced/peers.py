@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -29,7 +30,15 @@ from xreduced import gloo, nccl_engine, security
 from xreduced.cluster import ClusterGroup
 from xreduced.config import Config
 from xreduced.coordinator import Coordinator, CoordinatorServer
-from xreduced.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from xreduced.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
 
 log = logging.getLogger("xreduced.peers")
 
@@ -119,8 +128,14 @@ class Peers:
             return list(self._groups.values())
 
     def join(self, name: str, num_processes: int, process_id: int, coordinator: str, devices: list[str],
-             timeout: float) -> ClusterGroup:
+             timeout: float, on_end: Callable[[Callable[[], None]], bool] | None = None) -> ClusterGroup:
         """Registers a process with the coordinator; returns the group's new epoch, engine connected.
+
+        Args:
+            on_end: registers a callback run when the process's JoinGroup call ends (gRPC's
+                ``context.add_callback``): a call that ends while its registration waits at the coordinator
+                (the process died, whatever the signal) cancels the registration there, so nothing of it
+                stays behind.
 
         Raises:
             InvalidArgument: a malformed coordinator address. Unavailable: the coordinator cannot be
@@ -133,7 +148,8 @@ class Peers:
         with self._lock:
             self._linking[coordinator] = self._linking.get(coordinator, 0) + 1
         try:
-            return self._join(name, num_processes, process_id, coordinator, host, port, gid, devices, timeout)
+            return self._join(name, num_processes, process_id, coordinator, host, port, gid, devices, timeout,
+                              on_end)
         finally:
             with self._lock:
                 self._linking[coordinator] -= 1
@@ -141,7 +157,7 @@ class Peers:
                     del self._linking[coordinator]
 
     def _join(self, name: str, num_processes: int, process_id: int, coordinator: str, host: str, port: int,
-              gid: str, devices: list[str], timeout: float) -> ClusterGroup:
+              gid: str, devices: list[str], timeout: float, on_end=None) -> ClusterGroup:
         if process_id == 0:
             self._serve_coordinator(coordinator, gid)
         node_address = self.config.node_address or route_address(host, port)
@@ -156,7 +172,7 @@ class Peers:
             node=pb.NodeIdentity(node_id=self.node_id, address=node_address, devices=self.devices,
                                  backend=self.backend, engines=engines),
             devices=[DeviceName.parse(d).short for d in devices])
-        reply = self._register(stub, request, coordinator, timeout)
+        reply = self._register(stub, request, coordinator, timeout, on_end)
         with self._lock:
             key = (reply.group, reply.epoch)
             future = self._joining.get(key)
@@ -177,23 +193,46 @@ class Peers:
             raise DeadlineExceeded(f"the engine of group {reply.group!r} did not connect within {timeout:.3g}s") \
                 from None
 
-    def _register(self, stub, request: pb.RegisterRequest, coordinator: str, timeout: float) -> pb.RegisterResponse:
+    def _register(self, stub, request: pb.RegisterRequest, coordinator: str, timeout: float,
+                  on_end=None) -> pb.RegisterResponse:
         """Registers with the coordinator within the join's ``timeout``. Process 0's daemon may not serve it
         yet, or may be stopping the last epoch's while process 0 initializes again (its own process left
-        first): a registration it cut off is sent again, to the coordinator that replaces it."""
+        first): a registration it cut off is sent again, to the coordinator that replaces it. When the
+        process's own call ends first (``on_end``), the registration is cancelled at the coordinator."""
         deadline = time.monotonic() + timeout
+        ended = threading.Event()
+        current: list[grpc.Future] = []
+
+        def cancel() -> None:
+            ended.set()
+            for call in current:
+                call.cancel()
+
+        if on_end is not None and not on_end(cancel):
+            cancel()
         while True:
             left = max(deadline - time.monotonic(), 0.0)
             request.timeout.FromNanoseconds(int(left * 1e9))
+            if ended.is_set():
+                raise Aborted(f"process {request.process_id}'s join of group {request.group!r} ended (its call "
+                              "was cancelled: the process is gone) before the epoch formed")
+            call = stub.Register.future(request, timeout=left + 5.0, metadata=self._metadata, wait_for_ready=True)
+            current[:] = [call]
+            if ended.is_set():
+                call.cancel()
             try:
-                return stub.Register(request, timeout=left + 5.0, metadata=self._metadata, wait_for_ready=True)
+                return call.result()
+            except grpc.FutureCancelledError:
+                continue  # said above
             except grpc.RpcError as e:
+                if ended.is_set():
+                    continue
                 cut_off = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                 if not cut_off or deadline - time.monotonic() < REGISTER_RETRY_SECONDS:
                     self._raise(e, left + 5.0, coordinator, "register with", wait=True)
             log.info("event=register_retry coordinator=%s group=%s process=%d", coordinator, request.group,
                      request.process_id)
-            time.sleep(REGISTER_RETRY_SECONDS)
+            ended.wait(REGISTER_RETRY_SECONDS)
 
     def _install(self, reply: pb.RegisterResponse, coordinator: str, stub, node_address: str,
                  timeout: float) -> ClusterGroup:
@@ -211,9 +250,9 @@ class Peers:
             return stub.Heartbeat(pb.HeartbeatRequest(group=gid, epoch=epoch, node_id=self.node_id),
                                   timeout=interval, metadata=self._metadata, wait_for_ready=True).state
 
-        def report(reason, process_ids):
+        def report(reason, process_ids, left=False):
             stub.ReportFailure(pb.ReportFailureRequest(group=gid, epoch=epoch, node_id=self.node_id, reason=reason,
-                                                       process_ids=process_ids),
+                                                       process_ids=process_ids, left=left),
                                timeout=interval, metadata=self._metadata)
 
         def attend():
@@ -305,7 +344,8 @@ class Peers:
             cluster.left.add(process_id)
             if cluster.left != cluster.local:
                 return
-        cluster.fail(f"every process of {cluster.describe(cluster.node_index)} left the group", report=True)
+        cluster.fail(f"every process of {cluster.describe(cluster.node_index)} left the group", report=True,
+                     left=True)
         cluster.close()
         log.info("event=group_left group=%s epoch=%d", gid, epoch)
         self._release()

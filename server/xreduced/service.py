@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -399,7 +400,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         (:meth:`xreduced.peers.Peers.session_ended`)."""
         session = self._open_session(context)
         cluster = self.peers.join(request.group, request.num_processes, request.process_id, request.coordinator,
-                                  [self.devices.name(d).short for d in devices], max(deadline.remaining() or 0.0, 0.0))
+                                  [self.devices.name(d).short for d in devices], max(deadline.remaining() or 0.0, 0.0),
+                                  getattr(context, "add_callback", None))
         if session is not None:
             self.peers.watch(session, cluster.gid, cluster.epoch, request.process_id)
             if self.regions.session(session) is None:  # it ended while the process joined: the process is gone
@@ -627,23 +629,40 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 defer.on_done(lambda *_: self.admission.collectives.leave(group.key))
             return out
         except ServiceError as e:
-            if across_nodes and not cluster.entered(group.sequence):
-                # The other nodes would wait for this one in the engine: end the epoch for everyone.
-                cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {e}", report=True,
-                             process_ids=list(getattr(e, "process_ids", ())))
+            if across_nodes and not cluster.entered(group.sequence):  # the other nodes would wait for this one
+                self._fail_across(cluster, group, e, refusal=isinstance(e, InvalidArgument))
             raise
         finally:
             if not waits:
                 self.admission.collectives.leave(group.key)
 
     def _fail_for_others(self, group: decode.Group, error: Exception) -> None:
-        self.rendezvous.fail(group.key, group.label, group.num_processes, Aborted(
-            f"{group.label} was aborted: process {group.process_id}'s request was rejected: {error}"))
+        """Process ``group.process_id``'s request was rejected: its collective fails for every process, on
+        this node and (in sequence order, :func:`across.refuse_across`) on the others; the group goes on."""
+        reason = f"process {group.process_id}'s request was rejected: {error}"
+        cluster = None
         with contextlib.suppress(ServiceError):
             cluster = self._cluster(group)
-            if cluster is not None and cluster.spans_nodes:
-                cluster.fail(f"{group.label} failed: process {group.process_id}'s request was rejected: {error}",
-                             report=True, process_ids=[group.process_id])
+        if cluster is not None and cluster.spans_nodes:  # claimed first: the failure below must not end the epoch
+            self._fail_across(cluster, group, Aborted(reason), refusal=True)
+        self.rendezvous.fail(group.key, group.label, group.num_processes,
+                             Aborted(f"{group.label} was aborted: {reason}"))
+
+    def _fail_across(self, cluster: ClusterGroup, group: decode.Group, error: ServiceError, refusal: bool) -> None:
+        """A collective across nodes failed on this node before it entered the engine. A ``refusal`` (a bad
+        request) takes its turn there, so the other nodes fail it with ``error`` and go on; anything else (a
+        timeout, a lost process) broke the lockstep and ends the epoch for everyone."""
+        if not refusal:
+            cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {error}", report=True,
+                         process_ids=list(getattr(error, "process_ids", ())))
+        elif cluster.claim(group.sequence):
+            deadline = Deadline(self.collective_timeout)
+
+            def refuse():
+                with contextlib.suppress(ServiceError):  # the epoch ended meanwhile: its processes know
+                    across.refuse_across(cluster, group.sequence, str(error), group.label, deadline)
+
+            threading.Thread(target=refuse, name="xreduced-refusal", daemon=True).start()
 
     def _timed(self, kind: str, replica_bytes: int, reduce):
         """Runs ``reduce()`` and records its seconds and algbw under method ``kind``."""

@@ -521,6 +521,13 @@ def test_status_shows_the_group_on_every_node(nodes, coordinator):
     groups = [g for g in as_json["groups"] if g["group"] == f"default@{coordinator}"]
     assert [(g["epoch"], g["state"], g["node_index"], g["coordinator"]) for g in groups] == [(str(epoch), "active",
                                                                                                1, False)]
+    # Every process has shut down: the job ended cleanly, which the README's status (run after its job) shows.
+    after = _group_lines(_status(nodes[1]), f"default@{coordinator}")
+    assert after[0] == f"  default@{coordinator}  epoch {epoch}  left", after
+    assert re.fullmatch(r"    reason       .*every process of node \d .* left the group", after[-1]), after
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    shown = re.search(r"^  default@127\.0\.0\.1:50570  epoch 1  (\w+)$", readme, re.M)
+    assert shown and shown[1] == "left", "the README's status after its job ended shows another state"
 
 
 def test_a_lost_node_fails_the_epoch_and_a_new_one_forms(start_daemon, coordinator):

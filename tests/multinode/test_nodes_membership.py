@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -221,3 +222,57 @@ def test_a_process_killed_without_shutdown_ends_its_groups_epoch_at_once(nodes):
     for event in failed:
         assert not event["ok"] and event["code"] == "ABORTED", event
         assert "process 1" in event["message"] and "ended without leaving" in event["message"], event
+
+
+def test_a_bad_request_across_nodes_fails_that_collective_only_and_the_group_goes_on(nodes):
+    """Process 1 (on node 1) names a device its daemon does not have: that collective fails for every process
+    of every node with process 1's error, the next collectives of the same epoch succeed, and neither daemon
+    logs an ERROR for it (no engine call runs on a torn-down engine)."""
+    bad = {**_reduce(41), "bad_device": "CPU:99"}
+
+    def script(pid: int) -> list[dict]:
+        return [{"op": "init"}, _reduce(40), bad if pid == 1 else _reduce(41), _reduce(42), _reduce(43),
+                {"op": "shutdown"}]
+
+    marks = [len(nodes.daemons[n].log()) for n in (0, 1)]
+    processes = nodes.launch([0, 1], script)
+    try:
+        events = [p.steps(120) for p in processes]
+    finally:
+        for p in processes:
+            p.close()
+    offender, other = events[1][2], events[0][2]
+    assert not offender["ok"] and offender["code"] == "NOT_FOUND" and "CPU:99" in offender["message"], offender
+    assert not other["ok"] and other["code"] == "ABORTED", other
+    assert "process 1" in other["message"] and "CPU:99" in other["message"], other
+    assert {e["result"]["epoch"] for e in (events[0][0], events[1][0])} == {events[0][0]["result"]["epoch"]}
+    _check_sums([[p[1], p[3], p[4]] for p in events], {0: 40, 1: 42, 2: 43}, replicas=8)
+    for n, mark in zip((0, 1), marks):
+        log = nodes.daemons[n].log()[mark:]
+        assert " ERROR " not in log and "epoch_failed" not in log and "group_failed" not in log, log
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["sigkill", "sigterm", "sigint"])
+def test_a_process_ended_while_it_joins_across_nodes_leaves_no_registration_behind(nodes, how):
+    """Process 0 waits in initialize() for process 1 (of another node) and is ended by ``how``: its
+    registration goes with it, so the restarted job (the same process ids) forms an epoch at once."""
+    mark = len(nodes.daemons[0].log())
+    victim = NodeProcess(nodes.address(0), nodes.coordinator, 2, 0, [{"op": "init"}])
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search(r"event=registered .*process=0 registered=1", nodes.daemons[0].log()[mark:]):
+            assert time.monotonic() < deadline and victim.proc.poll() is None, victim.stderr
+            time.sleep(0.05)
+        victim.signal(how)
+        victim.proc.wait(30)
+    finally:
+        victim.close()
+    processes = nodes.launch([0, 1], [{"op": "init"}, _reduce(50), {"op": "shutdown"}])
+    try:
+        events = [p.steps(120) for p in processes]
+    finally:
+        for p in processes:
+            p.close()
+    for process in events:
+        assert process[0]["ok"], process[0]
+    _check_sums([p[1:2] for p in events], {0: 50}, replicas=8)

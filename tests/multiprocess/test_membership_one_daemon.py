@@ -20,6 +20,7 @@ import time
 import pytest
 from children import Started, child_env
 from daemons import wait_log
+from xreduce import Client
 
 TIMEOUT = 60.0
 """Seconds a child may take; far below the daemon's collective timeout."""
@@ -106,6 +107,24 @@ def test_after_a_loss_the_restarted_job_joins_at_once_with_the_same_ids(daemon, 
     got, again = events(survivor), events(restarted)
     assert got[2]["error"] == "AbortedError"
     assert got[5] == again[1] == {"step": "reduce", "ok": [2.0, 2.0]}
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=["sigkill", "sigterm", "sigint"])
+def test_a_process_ended_while_it_joins_leaves_no_registration_behind(daemon, how):
+    """Process 0 waits in initialize() for process 1 and is ended by ``how``: the restarted job (the same
+    process ids) joins at once and reduces."""
+    group = f"join-{how.name.lower()}"
+    victim = child(daemon, group, 0, ["init"])
+    with Client(daemon.address) as client:
+        while client.get_status().collectives_waiting == 0:  # its join waits in the daemon
+            assert victim.poll() is None, events(victim)
+            time.sleep(0.02)
+    victim.send_signal(how)
+    victim.wait(TIMEOUT)
+    procs = [child(daemon, group, p, ["init", "reduce"]) for p in (0, 1)]
+    for proc in procs:
+        assert events(proc) == [{"step": "init", "ok": None}, {"step": "reduce", "ok": [2.0, 2.0]}]
 
 
 def test_a_clean_end_by_every_process_loses_nobody(daemon):

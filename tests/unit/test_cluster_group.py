@@ -37,7 +37,7 @@ def test_close_waits_for_a_report_in_flight_so_the_coordinator_hears_it_before_t
     the closed stream for this node's loss and names the wrong cause."""
     stream, reporting = Stream(), threading.Event()
 
-    def report(reason, process_ids):
+    def report(reason, process_ids, left=False):
         reporting.set()
         time.sleep(0.3)
         stream.events.append(f"reported {process_ids}")
@@ -56,7 +56,7 @@ def test_close_waits_for_a_report_in_flight_so_the_coordinator_hears_it_before_t
 def test_close_waits_no_longer_than_the_report_which_may_fail():
     stream = Stream()
 
-    def report(reason, process_ids):
+    def report(reason, process_ids, left=False):
         raise ConnectionError("the coordinator is gone")
 
     g = group(report, stream)

@@ -211,3 +211,33 @@ def test_a_coordinator_stopped_with_grace_still_tells_an_open_stream_how_the_epo
     finally:
         server.stop()
         channel.close()
+
+
+def test_a_registration_whose_call_ended_is_withdrawn_and_the_process_registers_again(coordinator):
+    """Process 0's Register call ends (its process died while it joined): it gets Aborted, and a restarted
+    process 0 registers (not "registered twice") and forms the epoch with process 1."""
+    ended = []
+    got = {}
+
+    def first():
+        try:
+            coordinator.register(pb.RegisterRequest(group="job", num_processes=2, process_id=0, node=node("a")),
+                                 10.0, lambda callback: ended.append(callback) or True)
+        except Exception as e:  # noqa: BLE001 -- the test looks at it
+            got["first"] = e
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    while not ended:
+        time.sleep(0.01)
+    ended[0]()  # the call ends: gRPC runs the callbacks registered on it
+    thread.join(10)
+    assert isinstance(got["first"], Aborted) and "ended before the epoch formed" in str(got["first"])
+    replies = register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
+    assert [r.epoch for r in replies.values()] == [1, 1], replies
+
+
+def test_a_job_that_ends_cleanly_is_no_failure(coordinator):
+    register_all(coordinator, [(0, node("a"), []), (1, node("b"), [])])
+    state = coordinator.report_failure("job@here:1", 1, "b", "every process of node 1 left the group", [], left=True)
+    assert not state.ok and state.left and not state.lost

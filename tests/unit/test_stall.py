@@ -122,3 +122,17 @@ def test_watch_does_nothing_without_a_collective_of_several_processes_or_when_tu
     with _stall.watch(daemon, spec):
         pass
     assert type(_stall.watch(daemon, spec)).__name__ == "nullcontext"
+
+
+def test_a_join_across_nodes_is_named_as_the_daemons_name_its_group_and_says_where_it_waits():
+    """The join waits at the coordinator, not in the daemon's rendezvous: the daemon's count of waiting
+    collectives (none) would wrongly suggest a slow reduction."""
+    seen: list[str] = []
+    daemon = FakeDaemon(waiting=0)
+    spec = pb.CollectiveSpec(group="default", num_processes=2, process_id=0, name="join")
+    with _stall.Watcher(emit=seen.append).watching(spec, daemon, 0.05, coordinator="127.0.0.1:50570"):
+        time.sleep(0.2)
+    assert seen, "no warning"
+    assert seen[0].startswith('collective "join" in group "default@127.0.0.1:50570" has not completed'), seen[0]
+    assert "coordinator, 127.0.0.1:50570" in seen[0] and "reduction itself is slow" not in seen[0], seen[0]
+    assert daemon.calls == 0

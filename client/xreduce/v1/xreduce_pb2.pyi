@@ -658,16 +658,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[EpochState, _Mapping]] = ...) -> None: ...
 
 class EpochState(_message.Message):
-    __slots__ = ("ok", "epoch", "lost", "reason")
+    __slots__ = ("ok", "epoch", "lost", "reason", "left")
     OK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     epoch: int
     lost: _containers.RepeatedCompositeFieldContainer[LostPeer]
     reason: str
-    def __init__(self, ok: _Optional[bool] = ..., epoch: _Optional[int] = ..., lost: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    left: bool
+    def __init__(self, ok: _Optional[bool] = ..., epoch: _Optional[int] = ..., lost: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., reason: _Optional[str] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
     __slots__ = ("group", "epoch", "node_id")
@@ -686,18 +688,20 @@ class AttendResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[EpochState, _Mapping]] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("group", "epoch", "node_id", "reason", "process_ids")
+    __slots__ = ("group", "epoch", "node_id", "reason", "process_ids", "left")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     group: str
     epoch: int
     node_id: str
     reason: str
     process_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    left: bool
+    def __init__(self, group: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("state",)
