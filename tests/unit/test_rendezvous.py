@@ -10,25 +10,38 @@ import time
 import numpy as np
 import pytest
 from xreduced.backends.numpy_backend import NumpyBackend
-from xreduced.collective import Contribution, assign_devices, label, reduce_together
+from xreduced.collective import Contribution, assign_devices, reduce_together
+from xreduced.decode import CollectiveKey
 from xreduced.deferred import Deferred
 from xreduced.engine import Engine, Value
 from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument
 from xreduced.executor import Deadline
-from xreduced.rendezvous import Rendezvous
+from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
-KEY = ("g", "seq:0")
-LABEL = label("g", 0, "")
+KEY = CollectiveKey("g", 0)
+LABEL = KEY.label
+
+
+def _total(contributions):
+    return {p: sum(contributions.values()) for p in contributions}
+
+
+def _run(r: Rendezvous, pid: int, value=1, *, num=2, timeout=5.0, compute=_total, key=KEY, on_leave=None,
+         remember_failure=True, expected=None, abandoned=None, defer=None):
+    """One participant's arrival, every option by name."""
+    meeting = Meeting(key, LABEL, num, expected=expected, remember_failure=remember_failure, abandoned=abandoned)
+    return r.run(meeting, Participant(pid, value, timeout, on_leave=on_leave, defer=defer), compute)
 
 
 def _members(r: Rendezvous, contributions: dict, num: int, timeout=5.0, compute=None, leave=None, key=KEY):
     """Runs one thread per contribution; returns {pid: result or exception}."""
     out: dict = {}
-    compute = compute or (lambda c: {p: sum(c.values()) for p in c})
+    compute = compute or _total
 
     def member(pid, value):
         try:
-            out[pid] = r.run(key, LABEL, num, pid, value, timeout, compute, leave.get(pid) if leave else None)
+            out[pid] = _run(r, pid, value, num=num, timeout=timeout, compute=compute, key=key,
+                            on_leave=leave.get(pid) if leave else None)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[pid] = e
 
@@ -54,7 +67,7 @@ def test_timeout_names_the_missing_processes_and_late_arrivals_get_it_too():
         assert isinstance(out[pid], DeadlineExceeded)
         assert str(out[pid]) == f"{LABEL} timed out after 0.2s waiting for process(es) [1, 3]; arrived: [0, 2]"
     with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 3\]"):
-        r.run(KEY, LABEL, 4, 1, 1, 5.0, lambda c: c)
+        _run(r, 1, num=4, compute=lambda c: c)
     assert r.pending() == 0 and r.remembered_failures() == 1
 
 
@@ -73,13 +86,13 @@ def test_a_member_leaving_aborts_the_others():
 
     def waiter():
         try:
-            out[0] = r.run(KEY, LABEL, 3, 0, 1, 10.0, lambda c: c, None)
+            out[0] = _run(r, 0, num=3, timeout=10.0, compute=lambda c: c)
         except Exception as e:  # noqa: BLE001
             out[0] = e
 
     def leaver():
         try:
-            out[1] = r.run(KEY, LABEL, 3, 1, 1, 10.0, lambda c: c, callbacks.append)
+            out[1] = _run(r, 1, num=3, timeout=10.0, compute=lambda c: c, on_leave=callbacks.append)
         except Exception as e:  # noqa: BLE001
             out[1] = e
 
@@ -105,24 +118,24 @@ def test_disagreement_fails_everyone(case):
     r = Rendezvous()
     if case == "num_processes":
         out: dict = {}
-        t = threading.Thread(target=lambda: out.setdefault(0, _catch(lambda: r.run(KEY, LABEL, 2, 0, 1, 5.0, dict))))
+        t = threading.Thread(target=lambda: out.setdefault(0, _catch(lambda: _run(r, 0, compute=dict))))
         t.start()
         while r.pending() == 0:
             time.sleep(0.005)
         with pytest.raises(InvalidArgument, match=f"process 1 says num_processes=3 but process 0 said "
                                                   f"num_processes=2 for {LABEL}"):
-            r.run(KEY, LABEL, 3, 1, 1, 5.0, dict)
+            _run(r, 1, num=3, compute=dict)
         t.join(5)
         assert isinstance(out[0], InvalidArgument)
     elif case == "twice":
         out = _members(r, {0: 1}, 2, timeout=0.01)  # leaves a remembered timeout; use another key
-        key = ("g", "seq:1")
-        t = threading.Thread(target=lambda: out.setdefault(5, _catch(lambda: r.run(key, LABEL, 3, 0, 1, 5.0, dict))))
+        key = CollectiveKey("g", 1)
+        t = threading.Thread(target=lambda: out.setdefault(5, _catch(lambda: _run(r, 0, num=3, compute=dict, key=key))))
         t.start()
         while r.pending() == 0:
             time.sleep(0.005)
         with pytest.raises(InvalidArgument, match="process 0 contributed twice") as e:
-            r.run(key, LABEL, 3, 0, 1, 5.0, dict)
+            _run(r, 0, num=3, compute=dict, key=key)
         # Two jobs started by hand on the default group look like this: the message says what to change.
         assert "give each job its own XREDUCE_GROUP" in str(e.value)
         t.join(5)
@@ -140,14 +153,14 @@ def test_fail_before_anyone_arrives_reaches_later_arrivals():
     r = Rendezvous()
     r.fail(KEY, LABEL, 2, Aborted("process 1's request was rejected"))
     with pytest.raises(Aborted, match="rejected"):
-        r.run(KEY, LABEL, 2, 0, 1, 5.0, dict)
+        _run(r, 0, compute=dict)
     assert r.pending() == 0
 
 
 def test_remembered_failures_are_bounded():
     r = Rendezvous(max_failed=10)
     for i in range(50):
-        r.fail(("g", f"seq:{i}"), LABEL, 2, Aborted("x"))
+        r.fail(CollectiveKey("g", i), LABEL, 2, Aborted("x"))
     assert r.remembered_failures() == 10 and r.pending() == 0
 
 
@@ -240,7 +253,7 @@ def test_a_waiting_collective_is_logged_at_growing_gaps_naming_who_is_missing(ca
 def test_the_waiting_line_names_a_collective_by_name_and_cuts_long_lists(caplog):
     caplog.set_level(logging.WARNING, "xreduced.rendezvous")
     r = Rendezvous(report_after=0.05)
-    out = _members(r, {p: 1 for p in range(12)}, 40, timeout=0.1, key=('my "job"', "name:join"))
+    out = _members(r, {p: 1 for p in range(12)}, 40, timeout=0.1, key=CollectiveKey('my "job"', name="join"))
     assert all(isinstance(e, DeadlineExceeded) for e in out.values())
     (line,) = _waiting_lines(caplog)
     assert 'group="my \\"job\\"" collective="join" ' in line
@@ -257,17 +270,6 @@ def test_a_collective_that_completes_in_time_or_with_reports_off_logs_nothing(ca
 
 
 # --- each branch of a participant's way through the rendezvous ----------------------------------------------
-
-
-def _total(contributions):
-    return {p: sum(contributions.values()) for p in contributions}
-
-
-def _run(r: Rendezvous, pid: int, value=1, *, num=2, timeout=5.0, compute=_total, key=KEY, on_leave=None,
-         remember_failure=True, expected=None, abandoned=None, defer=None):
-    """One participant's arrival, every option by name."""
-    return r.run(key, LABEL, num, pid, value, timeout, compute, on_leave, remember_failure, expected, abandoned,
-                 defer)
 
 
 def _in_thread(fn, name=None) -> tuple[threading.Thread, dict]:
@@ -415,11 +417,11 @@ def test_fail_group_reaches_threads_and_deferred_participants_but_not_the_join()
     arrived = _arrivals(r)
     waiting = Deferred()
     _run(r, 0, defer=waiting)
-    thread, out = _in_thread(lambda: _run(r, 0, key=("g", "seq:1")))
+    thread, out = _in_thread(lambda: _run(r, 0, key=CollectiveKey("g", 1)))
     join = Deferred()
-    _run(r, 0, key=("g", "name:join"), defer=join)
+    _run(r, 0, key=CollectiveKey("g", name="join"), defer=join)
     other = Deferred()
-    _run(r, 0, key=("h", "seq:0"), defer=other)
+    _run(r, 0, key=CollectiveKey("h", 0), defer=other)
     for _ in range(4):
         assert arrived.acquire(timeout=10)
     error = Aborted("process 1 died")
