@@ -8,7 +8,8 @@ codec's error) whose message names the field and the value received.
 Example:
     >>> from xreduce.v1 import xreduce_pb2 as pb
     >>> group(pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, process_id=1)))
-    Group(key=CollectiveKey(group='g', sequence=0, name=None), num_processes=2, process_id=1, epoch=0)
+    Group(key=CollectiveKey(group='g', sequence=0, name=None), label='collective 0 in group "g"', num_processes=2,
+          process_id=1, epoch=0)
 """
 
 from __future__ import annotations
@@ -129,15 +130,12 @@ class Group:
     """
 
     key: CollectiveKey
+    label: str
+    """How messages name the collective (``key.label``, made once), e.g. ``collective 17 in group "train"``."""
     num_processes: int
     process_id: int
     epoch: int = 0
     """The membership epoch the process joined (groups across nodes), else 0."""
-
-    @property
-    def label(self) -> str:
-        """How messages name the collective, e.g. ``collective 17 in group "train"``."""
-        return self.key.label
 
     @property
     def sequence(self) -> int | None:
@@ -196,7 +194,8 @@ def collective(spec: pb.CollectiveSpec) -> Group:
         raise InvalidArgument(f"collective.sequence: must be >= 0; got {spec.sequence}")
     if spec.epoch < 0:
         raise InvalidArgument(f"collective.epoch: must be >= 0; got {spec.epoch}")
-    return Group(CollectiveKey.of(spec), spec.num_processes, spec.process_id, spec.epoch)
+    key = CollectiveKey.of(spec)
+    return Group(key, key.label, spec.num_processes, spec.process_id, spec.epoch)
 
 
 def op(value: int) -> str:

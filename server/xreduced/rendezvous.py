@@ -117,10 +117,11 @@ def _aborted(c: _Collective, error: ServiceError) -> ServiceError:
     return copy
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Meeting:
     """One collective, as a participant names it: what every participant of it must agree on, and how it
-    may fail.
+    may fail. Not to be changed once made (not frozen only because a frozen dataclass takes twice the work
+    to make, and every call makes one).
 
     Example:
         >>> from xreduced.decode import CollectiveKey
@@ -146,9 +147,10 @@ class Meeting:
     collective for everyone (the group's epoch failed), or None."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Participant:
-    """One process's arrival at a collective: who, what it brings, and how it waits.
+    """One process's arrival at a collective: who, what it brings, and how it waits (not frozen: see
+    :class:`Meeting`).
 
     Example:
         >>> Participant(1, contribution=[1.0, 2.0], timeout=30.0, defer=Deferred()).process_id
@@ -195,6 +197,8 @@ class _Arrived(enum.Enum):
 class _Collective:
     meeting: Meeting
     """As its first participant named it."""
+    count: int
+    """How many participants meet here: the meeting's ``expected``, or every process of the group."""
     state: _State = _State.OPEN
     arrived: dict[int, Any] = dataclasses.field(default_factory=dict)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -212,25 +216,12 @@ class _Collective:
     def label(self) -> str:
         return self.meeting.label
 
-    @property
-    def num_processes(self) -> int:
-        return self.meeting.num_processes
-
-    @property
-    def expected(self) -> frozenset[int] | None:
-        """Who meets here, when not every process of the group."""
-        return self.meeting.expected
-
-    @property
-    def count(self) -> int:
-        """How many participants meet here."""
-        return len(self.expected) if self.expected is not None else self.num_processes
-
     def missing(self) -> list[int]:
         """Up to 11 participants not arrived yet, enough to name."""
-        if self.expected is None:
-            return missing_ids(self.num_processes, self.arrived)
-        return sorted(self.expected - set(self.arrived))[:11]
+        expected = self.meeting.expected
+        if expected is None:
+            return missing_ids(self.meeting.num_processes, self.arrived)
+        return sorted(expected - set(self.arrived))[:11]
 
     def fresh_error(self) -> ServiceError:
         """A copy of the error: one exception object raised in several threads would keep every
@@ -372,7 +363,8 @@ class Rendezvous:
 
     def _opened(self, meeting: Meeting, now: float) -> _Collective:
         """A new collective, its first waiting report due ``report_after`` s from now."""
-        c = _Collective(meeting, opened=now)
+        count = len(meeting.expected) if meeting.expected is not None else meeting.num_processes
+        c = _Collective(meeting, count, opened=now)
         if self._report_after > 0:
             c.report_at = now + self._report_after
             c.report_gap = _next_gap(self._report_after, self._report_after)
@@ -382,13 +374,14 @@ class Rendezvous:
     def _refusal(meeting: Meeting, c: _Collective, process_id: int) -> InvalidArgument | None:
         """What fails OPEN collective ``c`` for everyone if ``process_id`` arrives at it naming ``meeting``, or
         None; raises for a process not expected here (its arrival is refused, the collective goes on)."""
-        if meeting.num_processes != c.num_processes:
+        first = c.meeting
+        if meeting.num_processes != first.num_processes:
             return InvalidArgument(
                 f"process {process_id} says num_processes={meeting.num_processes} but process {min(c.arrived)} "
-                f"said num_processes={c.num_processes} for {meeting.label}")
-        if c.expected is not None and process_id not in c.expected:
+                f"said num_processes={first.num_processes} for {meeting.label}")
+        if first.expected is not None and process_id not in first.expected:
             raise InvalidArgument(
-                f"process {process_id} is not one of this node's processes {sorted(c.expected)} for "
+                f"process {process_id} is not one of this node's processes {sorted(first.expected)} for "
                 f"{meeting.label}; each process must call its own node's daemon (the one it joined the group "
                 "through)")
         if process_id in c.arrived:
@@ -501,7 +494,7 @@ class Rendezvous:
             missing = c.missing()
         key = c.meeting.key
         log.warning("event=collective_waiting group=%s collective=%s waited_s=%.1f num_processes=%d arrived=%s "
-                    "missing=%s", json.dumps(key.group), key.log_ident, now - c.opened, c.num_processes,
+                    "missing=%s", json.dumps(key.group), key.log_ident, now - c.opened, c.meeting.num_processes,
                     _log_ids(arrived, len(arrived)), _log_ids(missing, c.count - len(arrived)))
 
     def forget_failures(self, group: str) -> None:
@@ -514,7 +507,7 @@ class Rendezvous:
         """Fails collective ``key`` for everyone with ``error`` (e.g. one participant's
         request was invalid), whether or not anyone has arrived yet."""
         with self._lock:
-            c = self._open.get(key) or _Collective(Meeting(key, label, num_processes))
+            c = self._open.get(key) or self._opened(Meeting(key, label, num_processes), time.monotonic())
             waiting = self._transition(c, _State.OPEN, _State.FAILED, error=error)
         self._answer(c, waiting)
 
