@@ -57,17 +57,6 @@ class BroadcastShare:
     dtype and shape."""
 
 
-def label(group: str, sequence: int, name: str) -> str:
-    """How messages name a collective.
-
-    Example:
-        >>> label("train", 17, "")
-        'collective 17 in group "train"'
-    """
-    ident = f'"{name}"' if name else str(sequence)
-    return f'collective {ident} in group "{group}"'
-
-
 def _shape(arr: np.ndarray | Slices) -> str:
     return repr(arr) if isinstance(arr, Slices) else f"{arr.dtype.name}{list(arr.shape)}"
 

@@ -8,15 +8,17 @@ codec's error) whose message names the field and the value received.
 Example:
     >>> from xreduce.v1 import xreduce_pb2 as pb
     >>> group(pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, process_id=1)))
-    Group(key=('g', 'seq:0'), label='collective 0 in group "g"', num_processes=2, process_id=1, sequence=0, epoch=0)
+    Group(key=CollectiveKey(group='g', sequence=0, name=None), label='collective 0 in group "g"', num_processes=2,
+          process_id=1, epoch=0)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from xreduce.v1 import xreduce_pb2 as pb
@@ -25,7 +27,6 @@ from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
 
 from xreduced import planner
-from xreduced.collective import label
 from xreduced.devices import DeviceTable
 from xreduced.engine import MEAN, SUM, Value
 from xreduced.errors import FailedPrecondition, InvalidArgument
@@ -57,23 +58,89 @@ DATA_FIELDS = ("raw_data", "float_values", "int_values", "uint_values")
 """The fields of a Tensor that carry its data."""
 
 
+JOIN = "join"
+"""The name of a group's join (``JoinGroup``): the collective a new membership starts with."""
+
+
+class CollectiveKey(NamedTuple):
+    """Which collective: a group's collective by sequence number, or by name (then ``sequence`` is None).
+
+    The rendezvous, the express lane and the admission count key collectives by it; messages and log lines
+    name them from it. A named tuple, not a frozen dataclass, for speed: the express lane hashes and compares
+    it several times a call, which a dataclass does in Python (``bench/lane_work.py`` counted 5% more
+    instructions per small all-reduce).
+
+    Example:
+        >>> key = CollectiveKey("train", 17)
+        >>> key.label, key.log_ident, str(key)
+        ('collective 17 in group "train"', '17', 'seq:17')
+        >>> named = CollectiveKey("train", name="step")
+        >>> named.label, named.log_ident, str(named)
+        ('collective "step" in group "train"', '"step"', 'name:step')
+    """
+
+    group: str
+    sequence: int | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, spec: pb.CollectiveSpec) -> CollectiveKey:
+        """The key of a CollectiveSpec: by its name when it has one, else by its sequence number.
+
+        Example:
+            >>> CollectiveKey.of(pb.CollectiveSpec(group="g", name="step", sequence=4))
+            CollectiveKey(group='g', sequence=None, name='step')
+        """
+        return cls(spec.group, None, spec.name) if spec.name else cls(spec.group, spec.sequence)
+
+    @property
+    def label(self) -> str:
+        """How messages name the collective: ``collective 17 in group "train"``."""
+        ident = f'"{self.name}"' if self.name is not None else str(self.sequence)
+        return f'collective {ident} in group "{self.group}"'
+
+    @property
+    def log_ident(self) -> str:
+        """How a log line's ``collective=`` names it within its group: its sequence number or its quoted name."""
+        return json.dumps(self.name) if self.name is not None else str(self.sequence)
+
+    @property
+    def is_join(self) -> bool:
+        """Whether this is its group's join (:data:`JOIN`), which a new membership starts with.
+
+        Example:
+            >>> CollectiveKey("g", name=JOIN).is_join, CollectiveKey("g", 0).is_join
+            (True, False)
+        """
+        return self.name == JOIN
+
+    def __str__(self) -> str:
+        """``seq:17`` or ``name:step``, as the express lane's log names it."""
+        return f"name:{self.name}" if self.name is not None else f"seq:{self.sequence}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A validated CollectiveSpec: the rendezvous key, how messages name it, and this process's place.
 
     Example:
-        >>> collective(pb.CollectiveSpec(group="g", name="step", num_processes=4, process_id=3)).key
-        ('g', 'name:step')
+        >>> group = collective(pb.CollectiveSpec(group="g", name="step", num_processes=4, process_id=3))
+        >>> group.key, group.label
+        (CollectiveKey(group='g', sequence=None, name='step'), 'collective "step" in group "g"')
     """
 
-    key: tuple[str, str]
+    key: CollectiveKey
     label: str
+    """How messages name the collective (``key.label``, made once), e.g. ``collective 17 in group "train"``."""
     num_processes: int
     process_id: int
-    sequence: int | None = None
-    """The collective's sequence number, or None for a named collective."""
     epoch: int = 0
     """The membership epoch the process joined (groups across nodes), else 0."""
+
+    @property
+    def sequence(self) -> int | None:
+        """The collective's sequence number, or None for a named collective."""
+        return self.key.sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +194,8 @@ def collective(spec: pb.CollectiveSpec) -> Group:
         raise InvalidArgument(f"collective.sequence: must be >= 0; got {spec.sequence}")
     if spec.epoch < 0:
         raise InvalidArgument(f"collective.epoch: must be >= 0; got {spec.epoch}")
-    key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
-    return Group(key, label(spec.group, spec.sequence, spec.name), spec.num_processes, spec.process_id,
-                 None if spec.name else spec.sequence, spec.epoch)
+    key = CollectiveKey.of(spec)
+    return Group(key, key.label, spec.num_processes, spec.process_id, spec.epoch)
 
 
 def op(value: int) -> str:

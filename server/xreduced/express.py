@@ -55,13 +55,10 @@ from typing import Any
 
 from xreduce.wire.contract import METHOD_PREFIX
 
-from xreduced.collective import label as collective_label
+from xreduced.decode import CollectiveKey
 from xreduced.prepared import shape_of
 
 log = logging.getLogger("xreduced.express")
-
-
-Key = tuple[str, str]
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,8 +66,9 @@ class Arrival:
     """A call the express lane holds: whose, what it asks, and its place in the pipeline.
 
     Example:
-        >>> Arrival("connection", "Reduce", "incoming", None, 0.0, b"shape", "prepared", 1, ("g", "seq:3"))
-        Arrival(method='Reduce', process_id=1, key=('g', 'seq:3'))
+        >>> key = CollectiveKey("g", 3)
+        >>> Arrival("connection", "Reduce", "incoming", None, 0.0, b"shape", "prepared", 1, key)
+        Arrival(method='Reduce', process_id=1, key=CollectiveKey(group='g', sequence=3, name=None))
     """
 
     connection: Any
@@ -82,7 +80,7 @@ class Arrival:
     shape: bytes
     prepared: Any
     process_id: int
-    key: Key
+    key: CollectiveKey
     call: Any = None
     """The pipeline's call, in flight (:meth:`~xreduced.pipeline.CallPipeline.begin_express`)."""
 
@@ -93,7 +91,7 @@ class Arrival:
         """What is left of the caller's timeout (None without one).
 
         Example:
-            >>> Arrival(None, "Reduce", None, 2.0, 10.0, b"", None, 0, ("g", "seq:0")).remaining(10.5)
+            >>> Arrival(None, "Reduce", None, 2.0, 10.0, b"", None, 0, CollectiveKey("g", 0)).remaining(10.5)
             1.5
         """
         return None if self.timeout is None else max(self.timeout - (now - self.started), 0.0)
@@ -120,14 +118,14 @@ class Express:
     """
 
     def __init__(self, known: Callable[[bytes], Any], reduce: Callable[..., dict[int, bytes]],
-                 busy: Callable[[Key, str], bool], begin: Callable[..., Any], end: Callable[[Any, int | None], None],
-                 hold: float = 0.5):
+                 busy: Callable[[CollectiveKey, str], bool], begin: Callable[..., Any],
+                 end: Callable[[Any, int | None], None], hold: float = 0.5):
         self._known, self._reduce, self._busy = known, reduce, busy
         self._begin, self._end = begin, end
         self.hold = hold
         self.wake: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
-        self._pending: dict[Key, dict[int, Arrival]] = {}
+        self._pending: dict[CollectiveKey, dict[int, Arrival]] = {}
         """The collectives being matched here, each by process id, in arrival order."""
         self._of: dict[Any, Arrival] = {}
         """The call each connection has held here."""
@@ -160,7 +158,7 @@ class Express:
         prepared = None if shape is None else self._known(shape)
         if prepared is None:
             return None
-        key = (spec.group, f"name:{spec.name}" if spec.name else f"seq:{spec.sequence}")
+        key = CollectiveKey.of(spec)
         if self._busy(key, spec.group):
             return None
         call = self._begin(METHOD_PREFIX + method, message, incoming.size, shape, key)
@@ -182,7 +180,7 @@ class Express:
         if any(a.method != method for a in complete):  # Reduce and BatchReduce: the full path names who called what
             return [], self._hand(complete, "the processes called different methods")
         try:
-            replies = self._reduce(method, collective_label(spec.group, spec.sequence, spec.name), {
+            replies = self._reduce(method, key.label, {
                 a.process_id: (a.incoming.message, a.prepared, a.shape) for a in complete})
         except Exception as e:  # noqa: BLE001 -- nothing changed: the full path answers each call, naming the error
             return [], self._hand(complete, f"the reduction raised {type(e).__name__}")
@@ -193,7 +191,7 @@ class Express:
         arrival.incoming.message = None
         self._end(arrival.call, bytes_out)
 
-    def claim(self, key: Key) -> None:
+    def claim(self, key: CollectiveKey) -> None:
         """A participant of collective ``key`` has joined it in the rendezvous (from any thread): the calls held
         for it are handed over, and the lane's thread woken to serve them (:meth:`handed_over`)."""
         with self._lock:
@@ -238,7 +236,7 @@ class Express:
         end = arrival.started + self.hold
         return end if arrival.timeout is None else min(end, arrival.started + arrival.timeout)
 
-    def _release(self, key: Key) -> list[Arrival]:
+    def _release(self, key: CollectiveKey) -> list[Arrival]:
         """With the lock held: collective ``key``'s calls, no longer held."""
         arrivals = list(self._pending.pop(key, {}).values())
         for a in arrivals:
@@ -254,6 +252,6 @@ class Express:
             a.call = None
         if arrivals and log.isEnabledFor(logging.DEBUG):
             log.debug("event=express_handed_over group=%s collective=%s processes=%s reason=%r",
-                      json.dumps(arrivals[0].key[0]), arrivals[0].key[1], ",".join(str(a.process_id) for a in arrivals),
+                      json.dumps(arrivals[0].key.group), arrivals[0].key, ",".join(str(a.process_id) for a in arrivals),
                       reason)
         return arrivals

@@ -251,8 +251,9 @@ class CallPipeline(grpc.ServerInterceptor):
 
         Example:
             >>> from xreduce.v1 import xreduce_pb2 as pb
+            >>> from xreduced.decode import CollectiveKey
             >>> pipeline = CallPipeline(Stats(), Admission())
-            >>> call = pipeline.begin_express("/x.Y/Reduce", pb.ReduceRequest(), 64, b"shape", ("g", "seq:1"))
+            >>> call = pipeline.begin_express("/x.Y/Reduce", pb.ReduceRequest(), 64, b"shape", CollectiveKey("g", 1))
             >>> call.bytes_in, call.held > 0, pipeline.admission.collectives.open()
             (64, True, 1)
             >>> pipeline.end_express(call, 32)

@@ -28,6 +28,7 @@ from xreduce.wire.contract import SERVICE_NAME
 from xreduced import security
 from xreduced.backends import Backend
 from xreduced.config import Config
+from xreduced.decode import CollectiveKey
 from xreduced.engine import Engine
 from xreduced.express import Express
 from xreduced.lane import LocalLane, lane_address
@@ -154,7 +155,7 @@ class Daemon:
         service = self.service
         express = None
         if self.config.lane_express_hold > 0:
-            def busy(key: tuple[str, str], group: str) -> bool:
+            def busy(key: CollectiveKey, group: str) -> bool:
                 return service.rendezvous.knows(key) or service.peers.lookup(group) is not None
 
             express = Express(known=service.prepared.get, reduce=service.express, busy=busy,

@@ -49,7 +49,7 @@ from xreduced.pipeline import current_call
 from xreduced.prepared import Prepared, PreparedCalls
 from xreduced.region_service import RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
-from xreduced.rendezvous import Rendezvous
+from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
 log = logging.getLogger("xreduced.service")
 
@@ -346,7 +346,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             ['/job:localhost/replica:0/task:0/device:CPU:1']
         """
         group = decode.collective(pb.CollectiveSpec(group=request.group, num_processes=request.num_processes,
-                                                    process_id=request.process_id, name="join"))
+                                                    process_id=request.process_id, name=decode.JOIN))
         deadline = self._deadline(request, context, group)
         devices = decode.devices(request.devices, "devices", self.devices)
         check_destinations(devices, "devices", self.engine.label)
@@ -588,10 +588,10 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""
         if group is None:
             return None
-        cluster = self.peers.lookup(group.key[0])
+        cluster = self.peers.lookup(group.key.group)
         if cluster is None:
             if group.epoch:
-                raise NotFound(f'collective.group: this daemon is in no group "{group.key[0]}" of epoch '
+                raise NotFound(f'collective.group: this daemon is in no group "{group.key.group}" of epoch '
                                f"{group.epoch} (it may have restarted); initialize again")
             return None
         cluster.check(group.epoch, group.label)
@@ -608,7 +608,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         group of this daemon that lost a process fails at once (not a join, which starts a new membership)."""
         across_nodes = cluster is not None and cluster.spans_nodes
         if cluster is None and not joining:
-            self.local_groups.check(group.key[0], group.label)
+            self.local_groups.check(group.key.group, group.label)
         defer = Deferred() if deferrable and getattr(context, "defers", False) and not across_nodes else None
         try:
             self.admission.collectives.enter(group.key, group.label)
@@ -618,12 +618,13 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             raise
         waits = False
         try:
-            out = self.rendezvous.run(
-                group.key, group.label, group.num_processes, group.process_id, share,
-                max(deadline.remaining(), 0.0), compute, context.add_callback, remember_failure,
-                expected=cluster.local if cluster is not None else None,
-                abandoned=cluster.abandoned if across_nodes else None, defer=defer,
-            )
+            meeting = Meeting(group.key, group.label, group.num_processes,
+                              expected=cluster.local if cluster is not None else None,
+                              remember_failure=remember_failure,
+                              abandoned=cluster.abandoned if across_nodes else None)
+            participant = Participant(group.process_id, share, max(deadline.remaining(), 0.0),
+                                      on_leave=context.add_callback, defer=defer)
+            out = self.rendezvous.run(meeting, participant, compute)
             if defer is not None and out is defer:
                 waits = True
                 defer.on_done(lambda *_: self.admission.collectives.leave(group.key))

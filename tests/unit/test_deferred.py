@@ -8,15 +8,20 @@ import threading
 import time
 
 import pytest
+from xreduced.decode import CollectiveKey
 from xreduced.deferred import Deferred, then
 from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument
-from xreduced.rendezvous import Rendezvous
+from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
-KEY = ("g", "seq:0")
+KEY = CollectiveKey("g", 0)
 
 
 def _sum(contributions):
     return {p: sum(contributions.values()) for p in contributions}
+
+
+def _run(r: Rendezvous, key, label, num, pid, value, timeout, compute, on_leave=None, defer=None):
+    return r.run(Meeting(key, label, num), Participant(pid, value, timeout, on_leave=on_leave, defer=defer), compute)
 
 
 def test_a_deferred_resolves_once_and_runs_its_steps_in_order_where_it_resolves():
@@ -70,12 +75,12 @@ def test_wake_goes_to_the_source_of_a_chain_and_stops_once_resolved():
 def test_a_deferred_participant_gets_its_share_from_the_last_arrival_s_thread():
     r = Rendezvous()
     waiting = Deferred()
-    assert r.run(KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting) is waiting and not waiting.done
+    assert _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting) is waiting and not waiting.done
     assert r.pending() == 1
     got = []
     waiting.on_done(lambda value, error: got.append((value, error, threading.current_thread().name)))
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault(1, r.run(KEY, "c0", 2, 1, 2, 5.0, _sum)), name="last")
+    t = threading.Thread(target=lambda: out.setdefault(1, _run(r, KEY, "c0", 2, 1, 2, 5.0, _sum)), name="last")
     t.start()
     t.join(5)
     assert out == {1: 3} and got == [(3, None, "last")] and r.pending() == 0
@@ -84,8 +89,8 @@ def test_a_deferred_participant_gets_its_share_from_the_last_arrival_s_thread():
 def test_a_deferred_participant_times_out_when_woken_at_its_deadline_naming_who_is_missing():
     r = Rendezvous()
     waiting = Deferred()
-    r.run(KEY, "collective 0", 3, 0, 1, 0.2, _sum, defer=waiting)
-    r.run(KEY, "collective 0", 3, 2, 1, 5.0, _sum, defer=Deferred())
+    _run(r, KEY, "collective 0", 3, 0, 1, 0.2, _sum, defer=waiting)
+    _run(r, KEY, "collective 0", 3, 2, 1, 5.0, _sum, defer=Deferred())
     start = time.monotonic()
     assert start < waiting.wake_at() <= start + 0.2
     waiting.wake(waiting.wake_at() - 0.1)  # early: nothing happens
@@ -94,34 +99,34 @@ def test_a_deferred_participant_times_out_when_woken_at_its_deadline_naming_who_
     assert isinstance(waiting.error, DeadlineExceeded)
     assert "timed out after 0.2s waiting for process(es) [1]" in str(waiting.error)
     with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1\]"):  # a late arrival: the same
-        r.run(KEY, "collective 0", 3, 1, 1, 5.0, _sum)
+        _run(r, KEY, "collective 0", 3, 1, 1, 5.0, _sum)
 
 
 def test_a_participant_that_leaves_aborts_the_deferred_ones_and_a_failed_compute_reaches_them():
     r = Rendezvous()
     waiting = Deferred()
-    r.run(KEY, "c0", 3, 0, 1, 5.0, _sum, defer=waiting)
+    _run(r, KEY, "c0", 3, 0, 1, 5.0, _sum, defer=waiting)
     leave = []
-    r.run(KEY, "c0", 3, 1, 1, 5.0, _sum, on_leave=leave.append, defer=Deferred())
+    _run(r, KEY, "c0", 3, 1, 1, 5.0, _sum, on_leave=leave.append, defer=Deferred())
     leave[0]()  # process 1's call ended
     assert isinstance(waiting.error, Aborted) and "process 1 left" in str(waiting.error)
 
-    other = ("g", "seq:1")
+    other = CollectiveKey("g", 1)
     waiting = Deferred()
-    r.run(other, "c1", 2, 0, 1, 5.0, _sum, defer=waiting)
+    _run(r, other, "c1", 2, 0, 1, 5.0, _sum, defer=waiting)
 
     def refuse(_):
         raise InvalidArgument("process 1 sent float32[2] but process 0 sent float32[3]")
 
     with pytest.raises(InvalidArgument):
-        r.run(other, "c1", 2, 1, 1, 5.0, refuse)
+        _run(r, other, "c1", 2, 1, 1, 5.0, refuse)
     assert isinstance(waiting.error, InvalidArgument) and "float32[2]" in str(waiting.error)
 
 
 def test_a_deferred_wait_is_reported_when_its_report_is_due(caplog):
     r = Rendezvous(report_after=0.05)
     waiting = Deferred()
-    r.run(KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting)
+    _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting)
     due = waiting.wake_at()
     assert due < time.monotonic() + 1.0  # the report, before the deadline
     with caplog.at_level(logging.WARNING, logger="xreduced.rendezvous"):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
+from xreduced.decode import CollectiveKey
 from xreduced.express import Express
 from xreduced.prepared import shape_of
 
@@ -133,9 +134,9 @@ def test_a_reduction_that_raises_hands_every_call_over():
 def test_a_participant_by_the_full_path_claims_the_held_calls_and_wakes_the_lane():
     h = Harness()
     h.offer("c0", 0)
-    h.express.claim(("g", "seq:2"))  # another collective: nothing held for it
+    h.express.claim(CollectiveKey("g", 2))  # another collective: nothing held for it
     assert h.woken == 0 and h.express.held() == 1
-    h.express.claim(("g", "seq:1"))
+    h.express.claim(CollectiveKey("g", 1))
     assert h.woken == 1 and h.express.held() == 0
     assert pids(h.express.handed_over()) == [0] and h.express.handed_over() == []
 
@@ -156,7 +157,7 @@ def test_a_collective_not_complete_within_the_hold_or_a_timeout_is_handed_over_t
     h.offer("c1", 0, now=10.1, sequence=2, timeout=0.2)
     assert h.express.wake_at() == pytest.approx(10.3)
     assert h.express.due(10.29) == []
-    assert [a.key for a in h.express.due(10.3)] == [("g", "seq:2")]
+    assert [a.key for a in h.express.due(10.3)] == [CollectiveKey("g", 2)]
     assert h.express.wake_at() == pytest.approx(10.5)
     handed = h.express.due(10.5)
     assert pids(handed) == [0] and handed[0].remaining(10.5) is None

@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from xreduced.decode import CollectiveKey
 from xreduced.errors import Aborted
 from xreduced.membership import LocalGroups
-from xreduced.rendezvous import Rendezvous
+from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
 
 def make() -> tuple[LocalGroups, list]:
@@ -83,11 +84,11 @@ def test_fail_group_fails_the_groups_waiting_collectives_but_not_its_join():
 
     def arrive(key):
         try:
-            r.run(key, f"collective {key[1]}", 2, 0, 1, 30.0, lambda c: c)
+            r.run(Meeting(key, f"collective {key}", 2), Participant(0, 1, 30.0), lambda c: c)
         except Aborted as e:
             errors[key] = (str(e), e.process_ids)
 
-    keys = [("g", "seq:3"), ("other", "seq:3")]
+    keys = [CollectiveKey("g", 3), CollectiveKey("other", 3)]
     threads = [threading.Thread(target=arrive, args=(k,)) for k in keys]
     for t in threads:
         t.start()
@@ -97,15 +98,15 @@ def test_fail_group_fails_the_groups_waiting_collectives_but_not_its_join():
     error.process_ids = (1,)
     r.fail_group("g", error)
     threads[0].join(5)
-    assert errors == {("g", "seq:3"): ("collective seq:3 was aborted: process 1 died", (1,))}
+    assert errors == {keys[0]: ("collective seq:3 was aborted: process 1 died", (1,))}
     assert r.pending() == 1  # the other group's collective still waits
     r.fail_group("other", error)
     threads[1].join(5)
-    join = threading.Thread(target=arrive, args=(("g", "name:join"),))
+    join = threading.Thread(target=arrive, args=(CollectiveKey("g", name="join"),))
     join.start()
     while r.pending() < 1:
         pass
     r.fail_group("g", error)
     assert r.pending() == 1  # a join is a new membership's: a loss of the old one does not fail it
-    r.fail(("g", "name:join"), "join", 2, Aborted("done"))
+    r.fail(CollectiveKey("g", name="join"), "join", 2, Aborted("done"))
     join.join(5)

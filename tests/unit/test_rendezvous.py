@@ -10,24 +10,38 @@ import time
 import numpy as np
 import pytest
 from xreduced.backends.numpy_backend import NumpyBackend
-from xreduced.collective import Contribution, assign_devices, label, reduce_together
+from xreduced.collective import Contribution, assign_devices, reduce_together
+from xreduced.decode import CollectiveKey
+from xreduced.deferred import Deferred
 from xreduced.engine import Engine, Value
 from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument
 from xreduced.executor import Deadline
-from xreduced.rendezvous import Rendezvous
+from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
-KEY = ("g", "seq:0")
-LABEL = label("g", 0, "")
+KEY = CollectiveKey("g", 0)
+LABEL = KEY.label
+
+
+def _total(contributions):
+    return {p: sum(contributions.values()) for p in contributions}
+
+
+def _run(r: Rendezvous, pid: int, value=1, *, num=2, timeout=5.0, compute=_total, key=KEY, on_leave=None,
+         remember_failure=True, expected=None, abandoned=None, defer=None):
+    """One participant's arrival, every option by name."""
+    meeting = Meeting(key, LABEL, num, expected=expected, remember_failure=remember_failure, abandoned=abandoned)
+    return r.run(meeting, Participant(pid, value, timeout, on_leave=on_leave, defer=defer), compute)
 
 
 def _members(r: Rendezvous, contributions: dict, num: int, timeout=5.0, compute=None, leave=None, key=KEY):
     """Runs one thread per contribution; returns {pid: result or exception}."""
     out: dict = {}
-    compute = compute or (lambda c: {p: sum(c.values()) for p in c})
+    compute = compute or _total
 
     def member(pid, value):
         try:
-            out[pid] = r.run(key, LABEL, num, pid, value, timeout, compute, leave.get(pid) if leave else None)
+            out[pid] = _run(r, pid, value, num=num, timeout=timeout, compute=compute, key=key,
+                            on_leave=leave.get(pid) if leave else None)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[pid] = e
 
@@ -53,7 +67,7 @@ def test_timeout_names_the_missing_processes_and_late_arrivals_get_it_too():
         assert isinstance(out[pid], DeadlineExceeded)
         assert str(out[pid]) == f"{LABEL} timed out after 0.2s waiting for process(es) [1, 3]; arrived: [0, 2]"
     with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 3\]"):
-        r.run(KEY, LABEL, 4, 1, 1, 5.0, lambda c: c)
+        _run(r, 1, num=4, compute=lambda c: c)
     assert r.pending() == 0 and r.remembered_failures() == 1
 
 
@@ -72,13 +86,13 @@ def test_a_member_leaving_aborts_the_others():
 
     def waiter():
         try:
-            out[0] = r.run(KEY, LABEL, 3, 0, 1, 10.0, lambda c: c, None)
+            out[0] = _run(r, 0, num=3, timeout=10.0, compute=lambda c: c)
         except Exception as e:  # noqa: BLE001
             out[0] = e
 
     def leaver():
         try:
-            out[1] = r.run(KEY, LABEL, 3, 1, 1, 10.0, lambda c: c, callbacks.append)
+            out[1] = _run(r, 1, num=3, timeout=10.0, compute=lambda c: c, on_leave=callbacks.append)
         except Exception as e:  # noqa: BLE001
             out[1] = e
 
@@ -104,24 +118,24 @@ def test_disagreement_fails_everyone(case):
     r = Rendezvous()
     if case == "num_processes":
         out: dict = {}
-        t = threading.Thread(target=lambda: out.setdefault(0, _catch(lambda: r.run(KEY, LABEL, 2, 0, 1, 5.0, dict))))
+        t = threading.Thread(target=lambda: out.setdefault(0, _catch(lambda: _run(r, 0, compute=dict))))
         t.start()
         while r.pending() == 0:
             time.sleep(0.005)
         with pytest.raises(InvalidArgument, match=f"process 1 says num_processes=3 but process 0 said "
                                                   f"num_processes=2 for {LABEL}"):
-            r.run(KEY, LABEL, 3, 1, 1, 5.0, dict)
+            _run(r, 1, num=3, compute=dict)
         t.join(5)
         assert isinstance(out[0], InvalidArgument)
     elif case == "twice":
         out = _members(r, {0: 1}, 2, timeout=0.01)  # leaves a remembered timeout; use another key
-        key = ("g", "seq:1")
-        t = threading.Thread(target=lambda: out.setdefault(5, _catch(lambda: r.run(key, LABEL, 3, 0, 1, 5.0, dict))))
+        key = CollectiveKey("g", 1)
+        t = threading.Thread(target=lambda: out.setdefault(5, _catch(lambda: _run(r, 0, num=3, compute=dict, key=key))))
         t.start()
         while r.pending() == 0:
             time.sleep(0.005)
         with pytest.raises(InvalidArgument, match="process 0 contributed twice") as e:
-            r.run(key, LABEL, 3, 0, 1, 5.0, dict)
+            _run(r, 0, num=3, compute=dict, key=key)
         # Two jobs started by hand on the default group look like this: the message says what to change.
         assert "give each job its own XREDUCE_GROUP" in str(e.value)
         t.join(5)
@@ -139,14 +153,14 @@ def test_fail_before_anyone_arrives_reaches_later_arrivals():
     r = Rendezvous()
     r.fail(KEY, LABEL, 2, Aborted("process 1's request was rejected"))
     with pytest.raises(Aborted, match="rejected"):
-        r.run(KEY, LABEL, 2, 0, 1, 5.0, dict)
+        _run(r, 0, compute=dict)
     assert r.pending() == 0
 
 
 def test_remembered_failures_are_bounded():
     r = Rendezvous(max_failed=10)
     for i in range(50):
-        r.fail(("g", f"seq:{i}"), LABEL, 2, Aborted("x"))
+        r.fail(CollectiveKey("g", i), LABEL, 2, Aborted("x"))
     assert r.remembered_failures() == 10 and r.pending() == 0
 
 
@@ -239,7 +253,7 @@ def test_a_waiting_collective_is_logged_at_growing_gaps_naming_who_is_missing(ca
 def test_the_waiting_line_names_a_collective_by_name_and_cuts_long_lists(caplog):
     caplog.set_level(logging.WARNING, "xreduced.rendezvous")
     r = Rendezvous(report_after=0.05)
-    out = _members(r, {p: 1 for p in range(12)}, 40, timeout=0.1, key=('my "job"', "name:join"))
+    out = _members(r, {p: 1 for p in range(12)}, 40, timeout=0.1, key=CollectiveKey('my "job"', name="join"))
     assert all(isinstance(e, DeadlineExceeded) for e in out.values())
     (line,) = _waiting_lines(caplog)
     assert 'group="my \\"job\\"" collective="join" ' in line
@@ -253,3 +267,229 @@ def test_a_collective_that_completes_in_time_or_with_reports_off_logs_nothing(ca
     out = _members(Rendezvous(report_after=0), {0: 1}, 2, timeout=0.2)
     assert isinstance(out[0], DeadlineExceeded)
     assert _waiting_lines(caplog) == []
+
+
+# --- each branch of a participant's way through the rendezvous ----------------------------------------------
+
+
+def _in_thread(fn, name=None) -> tuple[threading.Thread, dict]:
+    """Runs ``fn`` in a thread; its result or exception lands in the dict under "out"."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("out", _catch(fn)), name=name)
+    thread.start()
+    return thread, out
+
+
+def _arrivals(r: Rendezvous) -> threading.Semaphore:
+    """Released once per participant that arrives without completing (the rendezvous's ``arriving`` hook)."""
+    arrived = threading.Semaphore(0)
+    r.arriving = lambda key: arrived.release()
+    return arrived
+
+
+def test_the_last_arrival_computes_once_in_its_own_thread():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    calls = []
+
+    def compute(c):
+        calls.append((dict(c), threading.current_thread().name))
+        return {p: p * 100 for p in c}
+
+    waiters = [_in_thread(lambda p=p: _run(r, p, p + 1, num=3, compute=compute)) for p in (0, 1)]
+    for _ in waiters:
+        assert arrived.acquire(timeout=10)
+    last, out = _in_thread(lambda: _run(r, 2, 3, num=3, compute=compute), name="last")
+    last.join(10)
+    for thread, _ in waiters:
+        thread.join(10)
+    assert calls == [({0: 1, 1: 2, 2: 3}, "last")]
+    assert [o["out"] for _, o in waiters] == [0, 100] and out["out"] == 200
+    assert not arrived.acquire(blocking=False)  # the last arrival completed it: nobody was told it waits
+    assert r.pending() == 0 and r.remembered_failures() == 0
+
+
+def test_a_waiting_participant_returns_only_once_the_last_one_arrives():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    thread, out = _in_thread(lambda: _run(r, 0, 1))
+    assert arrived.acquire(timeout=10)
+    assert out == {} and r.pending() == 1
+    assert _run(r, 1, 2) == 3
+    thread.join(10)
+    assert out == {"out": 3} and r.pending() == 0
+
+
+def test_a_deferred_participant_returns_at_once_and_is_answered_by_the_last_arrival():
+    r = Rendezvous()
+    waiting = Deferred()
+    assert _run(r, 0, 1, defer=waiting) is waiting and not waiting.done
+    assert _run(r, 1, 2) == 3
+    assert (waiting.value, waiting.error) == (3, None)
+
+
+def test_the_last_arrival_computes_itself_even_when_it_could_defer():
+    r = Rendezvous()
+    _run(r, 0, 1, defer=Deferred())
+    assert _run(r, 1, 2, defer=Deferred()) == 3
+
+
+def test_a_waiter_whose_reduction_overruns_is_told_it_did_not_finish():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    computing, release = threading.Event(), threading.Event()
+
+    def slow(c):
+        computing.set()
+        assert release.wait(30)
+        return _total(c)
+
+    waiter, out = _in_thread(lambda: _run(r, 0, timeout=0.05))
+    assert arrived.acquire(timeout=10)
+    last, last_out = _in_thread(lambda: _run(r, 1, compute=slow))
+    assert computing.wait(10)
+    waiter.join(30)  # its timeout, then max(timeout, 1 s) more for the reduction
+    release.set()
+    last.join(10)
+    assert isinstance(out["out"], DeadlineExceeded)
+    assert str(out["out"]) == f"{LABEL}: every process arrived but the reduction did not finish within 1s more"
+    assert last_out["out"] == 2 and r.remembered_failures() == 0
+
+
+def test_a_deferred_participant_whose_reduction_overruns_is_told_at_its_wake():
+    r = Rendezvous()
+    waiting = Deferred()
+    _run(r, 0, timeout=0.05, defer=waiting)
+    computing, release = threading.Event(), threading.Event()
+
+    def slow(c):
+        computing.set()
+        assert release.wait(30)
+        return _total(c)
+
+    last, out = _in_thread(lambda: _run(r, 1, compute=slow))
+    assert computing.wait(10)
+    due = waiting.wake_at()  # everyone arrived: the deadline plus max(timeout, 1 s)
+    waiting.wake(due - 0.5)
+    assert not waiting.done
+    waiting.wake(due)
+    release.set()
+    last.join(10)
+    assert isinstance(waiting.error, DeadlineExceeded)
+    assert str(waiting.error) == f"{LABEL}: every process arrived but the reduction did not finish within 1s more"
+    assert out["out"] == 2
+
+
+def test_a_participant_whose_call_has_already_ended_leaves_at_once():
+    r = Rendezvous()
+    with pytest.raises(Aborted, match="process 0 left"):
+        _run(r, 0, on_leave=lambda leave: False)  # gRPC's add_callback says False: the call is over
+    with pytest.raises(Aborted, match="process 0 left") as late:  # remembered for late arrivals
+        _run(r, 1)
+    assert str(late.value) == (f"{LABEL} was aborted: process 0 left (its call ended or its process died) before "
+                               "every process arrived")
+
+
+def test_leaving_once_everyone_has_arrived_changes_nothing():
+    r = Rendezvous()
+    leave = []
+    waiting = Deferred()
+    _run(r, 0, on_leave=leave.append, defer=waiting)
+    assert _run(r, 1, 2) == 3
+    leave[0]()  # the call ends after its collective completed
+    assert waiting.value == 3 and r.remembered_failures() == 0
+
+
+def test_a_deferred_participant_that_leaves_aborts_the_waiting_thread():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    leave = []
+    thread, out = _in_thread(lambda: _run(r, 0, num=3))
+    assert arrived.acquire(timeout=10)
+    _run(r, 1, num=3, on_leave=leave.append, defer=Deferred())
+    leave[0]()
+    thread.join(10)
+    assert isinstance(out["out"], Aborted) and out["out"].process_ids == (1,)
+
+
+def test_fail_group_reaches_threads_and_deferred_participants_but_not_the_join():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    waiting = Deferred()
+    _run(r, 0, defer=waiting)
+    thread, out = _in_thread(lambda: _run(r, 0, key=CollectiveKey("g", 1)))
+    join = Deferred()
+    _run(r, 0, key=CollectiveKey("g", name="join"), defer=join)
+    other = Deferred()
+    _run(r, 0, key=CollectiveKey("h", 0), defer=other)
+    for _ in range(4):
+        assert arrived.acquire(timeout=10)
+    error = Aborted("process 1 died")
+    error.process_ids = (1,)
+    r.fail_group("g", error)
+    thread.join(10)
+    for got in (waiting.error, out["out"]):
+        assert isinstance(got, Aborted) and got.process_ids == (1,)
+        assert str(got) == f"{LABEL} was aborted: process 1 died"
+    assert not join.done and not other.done and r.pending() == 2
+    with pytest.raises(Aborted, match="process 1 died"):  # remembered for late arrivals
+        _run(r, 1)
+
+
+def test_a_failure_is_remembered_for_late_arrivals_until_its_group_is_forgotten():
+    r = Rendezvous()
+    r.fail(KEY, LABEL, 2, Aborted("process 1's request was rejected"))
+    with pytest.raises(Aborted, match="rejected"):
+        _run(r, 0)
+    r.forget_failures("h")  # another group's: still remembered
+    with pytest.raises(Aborted, match="rejected"):
+        _run(r, 0)
+    r.forget_failures("g")
+    assert r.remembered_failures() == 0
+    waiting = Deferred()
+    _run(r, 0, defer=waiting)  # a new collective of that key starts afresh
+    assert _run(r, 1, 2) == 3 and waiting.value == 3
+
+
+def test_a_failure_not_to_remember_leaves_nothing_for_late_arrivals():
+    r = Rendezvous()
+    with pytest.raises(DeadlineExceeded):
+        _run(r, 0, timeout=0.01, remember_failure=False)
+    assert r.remembered_failures() == 0 and r.pending() == 0
+    waiting = Deferred()
+    _run(r, 0, defer=waiting, remember_failure=False)
+    assert _run(r, 1, 2, remember_failure=False) == 3 and waiting.value == 3
+
+
+def test_an_abandoned_collective_fails_its_waiters_and_is_remembered():
+    r = Rendezvous()
+    arrived = _arrivals(r)
+    over = threading.Event()
+
+    def abandoned():
+        if not over.is_set():
+            return None
+        error = Aborted("epoch 3 is over")
+        error.process_ids = (2,)
+        return error
+
+    thread, out = _in_thread(lambda: _run(r, 0, timeout=30.0, abandoned=abandoned, remember_failure=False))
+    assert arrived.acquire(timeout=10)
+    over.set()
+    thread.join(10)
+    assert isinstance(out["out"], Aborted) and str(out["out"]) == "epoch 3 is over"
+    assert out["out"].process_ids == (2,)
+    with pytest.raises(Aborted, match="epoch 3 is over"):  # remembered, whatever the participant asked
+        _run(r, 1)
+
+
+def test_a_process_not_expected_here_is_refused_and_the_others_go_on():
+    r = Rendezvous()
+    waiting = Deferred()
+    _run(r, 2, 1, num=4, expected=frozenset({0, 2}), defer=waiting)
+    with pytest.raises(InvalidArgument) as refused:
+        _run(r, 1, num=4, expected=frozenset({0, 2}))
+    assert str(refused.value) == (f"process 1 is not one of this node's processes [0, 2] for {LABEL}; each process "
+                                  "must call its own node's daemon (the one it joined the group through)")
+    assert not waiting.done
+    assert _run(r, 0, 2, num=4, expected=frozenset({0, 2})) == 3 and waiting.value == 3
