@@ -15,12 +15,17 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from xreduce.wire.addresses import check_address
 from xreduce.wire.contract import DEFAULT_ADDRESS, METHOD_PREFIX
+
+_PLAN = ("import sys; from xreduced.cli import main; "
+         "sys.exit(main(['plan', *sys.argv[1:]], plan_prog='xreduce plan'))")
+"""``xreduced plan``, its usage and messages naming ``xreduce plan``: the command the user ran."""
 
 
 def _plan(argv: Sequence[str]) -> int:
     """``xreduce plan ARGS``: runs ``xreduced plan ARGS`` with this interpreter; returns its exit status."""
-    return subprocess.run([sys.executable, "-m", "xreduced", "plan", *argv]).returncode
+    return subprocess.run([sys.executable, "-c", _PLAN, *argv]).returncode
 
 
 def human_bytes(n: float) -> str:
@@ -163,22 +168,68 @@ def describe_status(status, address: str) -> str:
     return "\n".join(lines)
 
 
+CONNECT_TIMEOUT = 2.0
+"""Seconds ``xreduce status`` waits for a host that does not answer to take its connection
+(``--connect-timeout``); a refused connection fails at once."""
+
+_ONE_TRY = 0.5
+"""Seconds of the one call that says why the daemon refused the connection."""
+
+
+def _connect(client, seconds: float) -> str:
+    """How the daemon at ``client.address`` takes a connection (TLS handshake included): ``"ready"``;
+    ``"failed"`` as soon as the first attempt fails (refused, no such socket, closed by a TLS daemon);
+    ``"silent"`` after ``seconds`` of a host that does not answer."""
+    import threading
+
+    import grpc
+
+    settled = threading.Event()
+    states: list[grpc.ChannelConnectivity] = []
+
+    def watch(now: grpc.ChannelConnectivity) -> None:
+        if now in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            states.append(now)
+            settled.set()
+
+    channel = client._get_channel()
+    channel.subscribe(watch, try_to_connect=True)
+    try:
+        settled.wait(seconds)
+    finally:
+        channel.unsubscribe(watch)
+    if not states:
+        return "silent"
+    return "ready" if states[0] == grpc.ChannelConnectivity.READY else "failed"
+
+
 def _status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
     from xreduce._client import Client
-    from xreduce._errors import XReduceError
+    from xreduce._errors import UnavailableError, XReduceError
 
     try:
         client = Client(args.address, timeout=args.timeout)
-    except ValueError as e:  # malformed TLS settings
-        print(f"xreduce status: {e}", file=sys.stderr)
-        return 1
-    with client:
         address = client.address
+    except ValueError as e:  # malformed XREDUCE_ADDRESS, or TLS settings
+        print(f"xreduce status: {e}", file=sys.stderr)
+        return 2
+    nobody = (f"xreduce status: no daemon answers at {address} ({{}}); start one there (xreduced --listen "
+              f"{address}), or check --address and XREDUCE_ADDRESS")
+    with client:
+        connection = _connect(client, args.connect_timeout)
+        if connection == "silent":
+            print(nobody.format(f"no connection within {args.connect_timeout:g}s"), file=sys.stderr)
+            return 1
         try:
-            status = client.get_status()
+            # Refused: one short call, whose error says why (a TLS mismatch has its own hint).
+            status = client.get_status(timeout=args.timeout if connection == "ready" else _ONE_TRY)
         except (XReduceError, ValueError) as e:
+            if connection == "failed" and isinstance(e, UnavailableError) and not e.tls_mismatch:
+                print(nobody.format(str(e).removeprefix(f"xreduce daemon at {address} is unavailable: ")),
+                      file=sys.stderr)
+                return 1
             code = getattr(e, "code", None)
             what = f" ({code.name})" if code is not None else ""
             print(f"xreduce status: cannot get the status of the daemon at {address}{what}: {e}", file=sys.stderr)
@@ -243,17 +294,22 @@ def _command(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="xreduce", description="xreduce tools")
     sub = p.add_subparsers(dest="command", required=True)
     # Listed for --help only: main hands `plan` and its arguments to `xreduced plan` before parsing.
-    sub.add_parser("plan", help="print the reduction plan for a value, step by step (runs `xreduced plan`; "
-                   "see `xreduce plan --help`)", add_help=False)
+    sub.add_parser("plan", help="print the reduction plan the daemon would run for a value, step by step, and exit "
+                   "(runs `xreduced plan`; see `xreduce plan --help`)", add_help=False)
     status = sub.add_parser(
         "status", help="show a running daemon's devices, limits, counters and groups across nodes",
         description="Shows a running daemon's devices, limits, counters and groups across nodes (its "
         "GetStatus). The daemon is "
         f"--address, else XREDUCE_ADDRESS, else {DEFAULT_ADDRESS}; the token comes from XREDUCE_TOKEN and TLS "
-        "from the XREDUCE_TLS_* variables, as for the SDK. Exits 1 when the daemon cannot be reached.")
+        "from the XREDUCE_TLS_* variables, as for the SDK. Exits 1 when the daemon cannot be reached (a refused "
+        "connection at once, a host that does not answer after --connect-timeout), 2 for a malformed address.")
     status.add_argument("--address", default=None, help="host:port or unix:PATH of the daemon")
     status.add_argument("--json", action="store_true", help="print the GetStatusResponse as JSON")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
+    status.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT,
+                        help="seconds to wait for a host that does not answer to take the connection (a refused "
+                        f"one fails at once; default {CONNECT_TIMEOUT:g})")
+    status.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds the daemon has to answer, once connected (default 10)")
     # `xreduce bench` lives in the xreduce_bench package: its options are parsed there, and the SDK
     # imports it only when the command runs.
     sub.add_parser("bench", add_help=False,
@@ -263,8 +319,14 @@ def _command(argv: Sequence[str]) -> int:
         return _bench(rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    if not args.timeout > 0:
-        p.error(f"--timeout must be positive; got {args.timeout}")
+    for name in ("timeout", "connect_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    if args.address is not None:
+        try:
+            check_address(args.address, "--address")
+        except ValueError as e:
+            p.error(str(e))
     return _status(args)
 
 

@@ -48,6 +48,10 @@ class DeadlineExceededError(XReduceError, TimeoutError):
 class UnavailableError(XReduceError, ConnectionError):
     """UNAVAILABLE: the daemon cannot be reached or is shutting down."""
 
+    tls_mismatch = False
+    """True when the connection failed as a TLS mismatch makes it fail (the message says which settings to
+    check; see :func:`tls_hint`)."""
+
 
 class ResourceExhaustedError(XReduceError):
     """RESOURCE_EXHAUSTED: over a configured limit (message size, memory)."""
@@ -193,16 +197,20 @@ def from_rpc_error(error: grpc.RpcError, address: str, security: Security | None
         ...     def code(self): return grpc.StatusCode.UNAVAILABLE
         ...     def details(self): return "connection refused"
         >>> e = from_rpc_error(Fake(), "127.0.0.1:1")
-        >>> str(e), e.answered
-        ('xreduce daemon at 127.0.0.1:1 is unavailable: connection refused', True)
+        >>> str(e), e.answered, e.tls_mismatch
+        ('xreduce daemon at 127.0.0.1:1 is unavailable: connection refused', True, False)
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
+    hint = None
     if code == grpc.StatusCode.UNAVAILABLE and not _from_daemon(error):
         hint = tls_hint(details, security)
         details = (f"xreduce daemon at {address} is unavailable: {details}" if hint is None else
                    f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: {hint} (gRPC: {details})")
-    return answered(code, details)
+    err = answered(code, details)
+    if hint is not None:
+        err.tls_mismatch = True
+    return err
 
 
 def answered(code: grpc.StatusCode, message: str) -> XReduceError:

@@ -132,18 +132,29 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+MAX_NUM_PACKS = (1 << 31) - 1
+"""The most packs a request can carry (the wire's ``num_packs`` is an int32)."""
+
+
 def checked_num_packs(num_packs: Any, algorithm: str) -> int:
-    """``num_packs`` as an int, refused with TF's message for ``algorithm`` when it is negative.
+    """``num_packs`` as an int, refused with TF's message for ``algorithm`` when it is negative, and when it
+    is over :data:`MAX_NUM_PACKS`.
 
     Example:
         >>> checked_num_packs(2, "HierarchicalCopy")
         2
+        >>> checked_num_packs(2**70, "HierarchicalCopy")
+        Traceback (most recent call last):
+        ...
+        ValueError: num_packs must be in [0, 2147483647] (0: no packing); got 1180591620717411303424
     """
     if not _is_integer(num_packs):
         raise ValueError(f"num_packs must be an integer >= 0 (0: no packing); got {num_packs!r} of type "
                          f"{type(num_packs).__name__}")
     if num_packs < 0:
         raise ValueError(f"{algorithm} requires num_packs >= 0, but {num_packs} is specified")
+    if num_packs > MAX_NUM_PACKS:
+        raise ValueError(f"num_packs must be in [0, {MAX_NUM_PACKS}] (0: no packing); got {num_packs}")
     return int(num_packs)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from xreduce.wire.addresses import check_address
+
 ENV_TRANSPORT = "XREDUCE_TRANSPORT"
 """``auto`` (shared memory when the daemon shares this host, else the wire), ``shm`` or ``wire``."""
 TRANSPORTS = ("auto", "shm", "wire")
@@ -37,7 +39,8 @@ class ConnectionOptions:
     ``XREDUCE_*`` variables, the transport from ``XREDUCE_TRANSPORT``.
 
     Attributes:
-        address: ``host:port`` or ``unix:PATH``.
+        address: ``host:port`` or ``unix:PATH`` (gRPC's ``dns:``, ``ipv4:`` and
+            ``ipv6:`` targets are passed as given).
         timeout: default seconds per call.
         token: the bearer token sent with every call.
         root_certificates: the CA of the daemon's certificate (PEM bytes or a
@@ -48,7 +51,8 @@ class ConnectionOptions:
 
     Raises:
         ValueError: ``certificate_chain`` without ``private_key`` or the
-            reverse; a transport that is not one of :data:`TRANSPORTS`.
+            reverse; a transport that is not one of :data:`TRANSPORTS`; an
+            address that is not ``host:port`` (port 1..65535) or ``unix:PATH``.
 
     Example:
         >>> import dataclasses, xreduce
@@ -73,6 +77,8 @@ class ConnectionOptions:
                              + ("certificate_chain" if self.private_key is None else "private_key"))
         if self.transport is not None:
             check_transport(self.transport, "transport")
+        if self.address:
+            check_address(self.address, "address")
 
 
 def merge(options: ConnectionOptions | None, **given) -> ConnectionOptions:

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 from xreduce._cuda_regions import CudaRegions
 from xreduce._segments import Releases, SharedArrays, reaper
 from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire.addresses import check_address
 from xreduce.wire.contract import DEFAULT_ADDRESS
 
 ENV_ADDRESS = "XREDUCE_ADDRESS"
@@ -170,13 +171,15 @@ class Runtime:
         return address in self._embedded
 
     def resolve_address(self, address: str | None = None) -> str:
-        """``address``, else the innermost embedded daemon, else ``XREDUCE_ADDRESS``, else the default."""
+        """``address``, else the innermost embedded daemon, else ``XREDUCE_ADDRESS``, else the default;
+        a malformed ``address`` or variable is refused, naming it."""
         if address:
-            return address
+            return check_address(address, "address")
         with self._lock:
             if self._embedded:
                 return self._embedded[-1]
-        return os.environ.get(ENV_ADDRESS) or DEFAULT_ADDRESS
+        from_env = os.environ.get(ENV_ADDRESS)
+        return check_address(from_env, ENV_ADDRESS) if from_env else DEFAULT_ADDRESS
 
     # --- multi-process groups, one per daemon ------------------------------------------------------------------
 
@@ -246,9 +249,17 @@ def resolve_address(address: str | None = None) -> str:
     An explicit ``address`` wins, then a running :func:`xreduce.serve_embedded`,
     then ``XREDUCE_ADDRESS``, then :data:`xreduce.DEFAULT_ADDRESS`. ``unix:PATH`` works.
 
+    Raises:
+        ValueError: ``address`` or ``XREDUCE_ADDRESS`` is not ``host:port`` (port
+            1..65535) or ``unix:PATH``; the message names it and the value.
+
     Example:
         >>> resolve_address("unix:/tmp/x.sock")
         'unix:/tmp/x.sock'
+        >>> resolve_address("localhost")
+        Traceback (most recent call last):
+        ...
+        ValueError: address must be host:port or unix:PATH; got 'localhost' (no port)
     """
     return _default.resolve_address(address)
 

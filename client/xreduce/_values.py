@@ -22,7 +22,8 @@ class DistributedValues:
             first needed.
 
     Raises:
-        ValueError: no values, or ``devices`` of another length.
+        ValueError: no values, ``devices`` of another length, or (without
+            ``devices``) a value that is not an array, a tensor or a number.
 
     Example:
         >>> import numpy as np
@@ -95,10 +96,23 @@ class DistributedValues:
         return self._devices
 
     def hosts(self) -> tuple[HostArray | HostSlices, ...]:
-        """The values converted to host arrays (cached); an ``IndexedSlices`` to a ``HostSlices``."""
+        """The values converted to host arrays (cached); an ``IndexedSlices`` to a ``HostSlices``.
+
+        Raises:
+            ValueError: a value is not an array, a tensor or a number; the
+                message names it (``values[i]``) and says why.
+        """
         if self._hosts is None:
-            self._hosts = tuple(host(v) for v in self._values)
+            self._hosts = tuple(self._host(i, v) for i, v in enumerate(self._values))
         return self._hosts
+
+    def _host(self, i: int, value: Any) -> HostArray | HostSlices:
+        try:
+            return host(value)
+        except ValueError as e:
+            hint = " (device names go in devices=)" if isinstance(value, str) else ""
+            raise ValueError(f"{type(self).__name__}: values[{i}] must be an array, a tensor or a number, one per "
+                             f"device{hint}; {e}") from None
 
     def __len__(self) -> int:
         return len(self._values)

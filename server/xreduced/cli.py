@@ -27,8 +27,10 @@ _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, plan_prog: str = "xreduced plan") -> int:
     """Runs the daemon until SIGINT or SIGTERM, or with ``plan`` first prints a plan; returns the exit status.
+
+    ``plan_prog`` is the command its usage names (``xreduce plan`` runs it too).
 
     Example (shell):
         $ xreduced --listen 127.0.0.1:0 --virtual-devices 4
@@ -37,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if list(argv[:1]) == ["plan"]:
         try:
-            status = plan(argv[1:])
+            status = plan(argv[1:], plan_prog)
             sys.stdout.flush()  # here, not at exit: a reader that went away (`| head`) shows up inside the try
             return status
         except BrokenPipeError:
@@ -190,14 +192,14 @@ def wire_dtype(text: str) -> np.dtype:
     return dtype
 
 
-def plan_parser() -> argparse.ArgumentParser:
-    """The ``xreduced plan`` argument parser.
+def plan_parser(prog: str = "xreduced plan") -> argparse.ArgumentParser:
+    """The ``xreduced plan`` argument parser; ``prog`` is the command its usage names.
 
     Example:
         >>> plan_parser().parse_args(["--bytes", "4KiB"]).bytes
         4096
     """
-    p = argparse.ArgumentParser(prog="xreduced plan",
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Prints the reduction plan the daemon would run for a value, step by step.")
     p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
     p.add_argument("--num-packs", type=int, default=1, help="TF's num_packs (default 1; 0: no packing)")
@@ -206,12 +208,16 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=int, default=1, help="tensors in the batch (default 1)")
     p.add_argument("--dtype", type=wire_dtype, default="float32",
                    help=f"element type, one of {', '.join(SUPPORTED_DTYPES)} (default float32)")
-    p.add_argument("--algorithm", default="hierarchical_copy", choices=["hierarchical_copy", "reduction_to_one_device"])
+    p.add_argument("--algorithm", default="hierarchical_copy", choices=["hierarchical_copy", "reduction_to_one_device"],
+                   help="hierarchical_copy (TF's HierarchicalCopyAllReduce: each pack summed within each half of the "
+                   "devices, then across the halves) or reduction_to_one_device (TF's ReductionToOneDevice: summed on "
+                   "the first device, then copied back); default hierarchical_copy")
     return p
 
 
-def plan(argv: Sequence[str]) -> int:
-    """``xreduced plan``: prints the plan for ``--tensors`` tensors of ``--bytes`` on each of ``--devices``.
+def plan(argv: Sequence[str], prog: str = "xreduced plan") -> int:
+    """``xreduced plan``: prints the plan for ``--tensors`` tensors of ``--bytes`` on each of ``--devices``;
+    ``prog`` is the command the usage and the messages name.
 
     Returns:
         0, or 2 for arguments that make no plan (argparse exits with 2 for malformed ones).
@@ -226,7 +232,7 @@ def plan(argv: Sequence[str]) -> int:
         total copied: 16 B
         0
     """
-    p = plan_parser()
+    p = plan_parser(prog)
     args = p.parse_args(list(argv))
     for name in ("devices", "tensors"):
         if getattr(args, name) < 1:
@@ -235,7 +241,7 @@ def plan(argv: Sequence[str]) -> int:
         p.error(f"--num-packs must be >= 0; got {args.num_packs}")
     dtype = args.dtype
     if args.bytes % dtype.itemsize:
-        print(f"xreduced plan: --bytes {args.bytes} is not a multiple of {dtype.name}'s "
+        print(f"{prog}: --bytes {args.bytes} is not a multiple of {dtype.name}'s "
               f"{dtype.itemsize} bytes", file=sys.stderr)
         return 2
     elements = [args.bytes // dtype.itemsize] * args.tensors

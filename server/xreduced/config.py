@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
+from xreduce.wire.addresses import check_address, check_host
 from xreduce.wire.contract import DEFAULT_ADDRESS
 
 _MAX_GRPC_MESSAGE = (1 << 31) - 1
@@ -72,7 +73,7 @@ class Config:
 
 _FLAGS = {
     # flag: (type, help)
-    "listen": (str, f"host:port or unix:PATH (port 0 picks a free port); default {DEFAULT_ADDRESS}"),
+    "listen": (str, f"host:port (port 0..65535; 0 picks a free port) or unix:PATH; default {DEFAULT_ADDRESS}"),
     "backend": (str, "auto, numpy or cupy; auto picks cupy when it sees a GPU; default auto"),
     "virtual_devices": (int, "logical devices: host devices (default 8), or spread over the GPUs"),
     "max_message_bytes": (int, "largest gRPC message sent or received; default 1073741824 (1 GiB)"),
@@ -92,9 +93,9 @@ _FLAGS = {
     "max_inflight_bytes": (int, "bytes of requests being served at once, at most; default 4294967296 (4 GiB)"),
     "max_collectives": (int, "multi-process collectives waiting at once, at most; default 1024"),
     "metrics_listen": (str, "host:port to serve Prometheus metrics on; default off"),
-    "node_address": (str, "groups across nodes: this node's address as the other nodes reach it; the "
-                     "engines bind only to it (Gloo) or its interface (NCCL); default: the address on the route "
-                     "to the coordinator"),
+    "node_address": (str, "groups across nodes: this node's address (an IP address or a host name, no port) as "
+                     "the other nodes reach it; the engines bind only to it (Gloo) or its interface (NCCL); "
+                     "default: the address on the route to the coordinator"),
     "peer_timeout": (float, "groups across nodes: seconds a silent node is lost after; collectives fail "
                      "within twice this; default 5"),
     "heartbeat_interval": (float, "groups across nodes: seconds between heartbeats to the coordinator; "
@@ -126,14 +127,23 @@ def parser() -> argparse.ArgumentParser:
     """The ``xreduced`` argument parser (every default is None: unset)."""
     p = argparse.ArgumentParser(
         prog="xreduced",
+        usage="%(prog)s [-h] [--FLAG VALUE ...]\n       %(prog)s plan [-h] [OPTIONS]",
         description="The xreduce daemon: cross-device reduction (TF's hierarchical copy "
         "all-reduce) served over gRPC. Every flag has an XREDUCE_* environment twin.",
-        epilog="`xreduced plan --help`: print the plan for a reduction, step by step, instead of serving.",
+        epilog="Without a command the daemon serves until SIGINT or SIGTERM. `xreduced plan --help`: the plan's "
+        "options.",
     )
+    # Listed for --help only: xreduced.cli.main hands `plan` and its arguments to the planner before parsing.
+    commands = p.add_subparsers(dest="command", title="commands", metavar="{plan}")
+    commands.add_parser("plan", add_help=False, help=PLAN_HELP)
     for field, (_, help_text) in _FLAGS.items():
         p.add_argument(flag_name(field), dest=field, default=None, metavar=field.upper(),
                        help=f"{help_text} [env {env_name(field)}]")
     return p
+
+
+PLAN_HELP = "print the reduction plan the daemon would run for a value, step by step, and exit"
+"""What ``xreduced plan`` does, in the commands' help (``xreduced --help``, ``xreduce --help``)."""
 
 
 def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -148,7 +158,10 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
         4
     """
     environ = os.environ if environ is None else environ
-    args = parser().parse_args(list(argv or []))
+    p = parser()
+    args = p.parse_args(list(argv or []))
+    if args.command is not None:
+        p.error(f"{args.command} goes first, before any flag: xreduced {args.command} [OPTIONS]")
     values = {}
     for field, (kind, _) in _FLAGS.items():
         raw = getattr(args, field)
@@ -226,6 +239,8 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must not be empty; got {value!r}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
-    elif field == "listen" and not value:
-        raise ValueError(f"{source} must be host:port or unix:PATH; got {value!r}")
+    elif field == "listen":
+        check_address(value, source, listen=True)
+    elif field == "node_address":
+        check_host(value, source)
     return value

@@ -54,6 +54,10 @@ REGISTER_RETRY_SECONDS = 0.2
 def route_address(host: str, port: int) -> str:
     """This machine's address on the route to ``host`` (no packet is sent): the default --node-address.
 
+    Raises:
+        InvalidArgument: ``host`` cannot be resolved (a typo in the coordinator's job address).
+        Unavailable: no route to it.
+
     Example:
         >>> route_address("127.0.0.1", 1234)
         '127.0.0.1'
@@ -62,13 +66,20 @@ def route_address(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect((host, port))
+        except socket.gaierror as e:
+            raise InvalidArgument(f"coordinator: cannot resolve the host of job_addresses[0] '{host}:{port}': "
+                                  f"{e.strerror}; is it a typo?") from None
         except OSError as e:
             raise Unavailable(f"coordinator: no route to {host}:{port} ({e.strerror}); set --node-address") from None
         return s.getsockname()[0]
 
 
 def split_address(address: str, field: str = "coordinator") -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as (host, port).
+    """``host:port`` (``[v6]:port`` too) as (host, port); the host must resolve.
+
+    Raises:
+        InvalidArgument: not ``host:port``, or a host that cannot be resolved (the
+            coordinator's is ``job_addresses[0]``); the message names the value.
 
     Example:
         >>> split_address("10.0.0.1:1234")
@@ -81,7 +92,13 @@ def split_address(address: str, field: str = "coordinator") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"{field}: must be host:port; got {address!r}")
-    return host.strip("[]"), int(port)
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InvalidArgument(f"{field}: cannot resolve the host of job_addresses[0] {address!r}: {e.strerror}; "
+                              "is it a typo?") from None
+    return host, int(port)
 
 
 class Peers:

@@ -12,7 +12,9 @@ reach their callers first.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
 from concurrent import futures
@@ -60,6 +62,40 @@ def make_backend(config: Config) -> Backend:
     from xreduced.backends.numpy_backend import NumpyBackend
 
     return NumpyBackend(config.virtual_devices or 8)
+
+
+def in_use(listen: str) -> bool:
+    """Whether every address ``host:port`` resolves to is taken by a listening socket, so gRPC could bind
+    none (it serves when it binds one of them). A unix socket and port 0 are never in use here.
+
+    Checked before gRPC binds, which would print its own error line from its core, before the daemon's.
+
+    Example:
+        >>> import socket
+        >>> with socket.socket() as taken:
+        ...     taken.bind(("127.0.0.1", 0)); taken.listen()
+        ...     in_use(f"127.0.0.1:{taken.getsockname()[1]}")
+        True
+        >>> in_use("127.0.0.1:0"), in_use("unix:/run/xreduce/xreduced.sock")
+        (False, False)
+    """
+    host, _, port = listen.rpartition(":")
+    if listen.startswith("unix") or not port.isdigit() or int(port) == 0:
+        return False
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # gRPC says what is wrong with the host
+    taken = 0
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port some closed connection still holds (TIME_WAIT) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                taken += e.errno == errno.EADDRINUSE
+    return bool(found) and taken == len(found)
 
 
 class Daemon:
@@ -111,6 +147,10 @@ class Daemon:
         """
         listen = self.config.listen
         credentials = security.server_credentials(self.config)
+        if in_use(listen):
+            host = listen.rpartition(":")[0]
+            raise RuntimeError(f"cannot listen on {listen!r}: the address is already in use; pick another --listen, "
+                               f"or --listen {host}:0 for a free port")
         try:
             with security.private_files():
                 if credentials is None:

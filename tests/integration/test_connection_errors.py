@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 import xreduce
 from xreduce._errors import Security, from_rpc_error
+from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 
 
@@ -172,3 +174,51 @@ def test_each_tls_failure_says_what_to_check(details, security, says):
 def test_other_unavailability_gets_no_tls_hint(details):
     message = str(from_rpc_error(_Failed(details), "127.0.0.1:1", PLAIN))
     assert message == f"xreduce daemon at 127.0.0.1:1 is unavailable: {details}"
+
+
+def test_status_of_a_daemon_that_closes_the_connection_keeps_the_tls_hint(capsys):
+    from xreduce import _cli
+
+    with _closing_listener() as address:
+        assert _cli.main(["status", "--address", address]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"xreduce status: cannot get the status of the daemon at {address} (UNAVAILABLE): "
+                          f"xreduce daemon at {address} is unavailable, probably a TLS mismatch: "), err
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("localhost", "no port"),
+    ("10.0.0.5", "no port"),
+    ("localhost:", "no port"),
+    ("localhost:http", "port 'http' is not a number"),
+    ("127.0.0.1:0", "port 0 is not in 1..65535"),
+    ("127.0.0.1:65536", "port 65536 is not in 1..65535"),
+    ("::1:50551", "an IPv6 host goes in brackets, as in [::1]:50551"),
+    ("999.1.1.1:50551", "host '999.1.1.1' is not an IPv4 address"),
+    ("unix:", "no path"),
+])
+def test_a_malformed_daemon_address_is_refused_before_any_connection(monkeypatch, address, why):
+    form = "must be host:port or unix:PATH; got"
+    monkeypatch.setenv("XREDUCE_ADDRESS", address)
+    client = xreduce.Client(timeout=30)
+    with pytest.raises(ValueError) as raised:
+        client.list_devices()
+    assert str(raised.value) == f"XREDUCE_ADDRESS {form} {address!r} ({why})"
+    with pytest.raises(ValueError) as raised:
+        HierarchicalCopyAllReduce().reduce("sum", PerReplica([np.ones(2)], devices=["CPU:0"]), "CPU:0")
+    assert str(raised.value) == f"XREDUCE_ADDRESS {form} {address!r} ({why})"
+    monkeypatch.delenv("XREDUCE_ADDRESS")
+    with pytest.raises(ValueError) as raised:
+        xreduce.Client(address)
+    assert str(raised.value) == f"address {form} {address!r} ({why})"
+    with pytest.raises(ValueError) as raised:
+        xreduce.ConnectionOptions(address=address)
+    assert str(raised.value) == f"address {form} {address!r} ({why})"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:50551", "localhost:1", "[::1]:50551", "daemon.example:65535",
+                                     "unix:/run/xreduce/xreduced.sock", "unix-abstract:xreduce", "dns:///localhost:1"])
+def test_well_formed_addresses_are_taken_as_given(monkeypatch, address):
+    assert xreduce.Client(address).address == address
+    monkeypatch.setenv("XREDUCE_ADDRESS", address)
+    assert xreduce.resolve_address() == address

@@ -182,7 +182,10 @@ def test_a_port_in_use_exits_1_naming_listen():
         result = run_to_exit(["--listen", f"127.0.0.1:{port}", *NUMPY])
     assert result.returncode == 1, result.stderr
     assert "event=start_failed" in result.stderr
-    assert f"cannot listen on '127.0.0.1:{port}'" in result.stderr
+    assert (f"cannot listen on '127.0.0.1:{port}': the address is already in use; pick another --listen, or "
+            "--listen 127.0.0.1:0 for a free port") in result.stderr, result.stderr
+    # What gRPC's core would print itself is not shown: the daemon's own line says it.
+    assert "Failed to add port" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 # --------------------------------------------------------------------------- health
@@ -402,6 +405,18 @@ def test_workers(args, env, second_call_waits):
         pytest.param(["--workers", "0"], {}, "xreduced: --workers must be >= 1; got 0", id="workers-0"),
         pytest.param(["--listen", ""], {}, "xreduced: --listen must be host:port or unix:PATH; got ''",
                      id="listen-empty"),
+        pytest.param(["--listen", "127.0.0.1:99999"], {},
+                     "xreduced: --listen must be host:port or unix:PATH; got '127.0.0.1:99999' (port 99999 is not "
+                     "in 0..65535; 0 picks a free port)", id="listen-port-99999"),
+        pytest.param(["--listen", "127.0.0.1"], {},
+                     "xreduced: --listen must be host:port or unix:PATH; got '127.0.0.1' (no port)",
+                     id="listen-no-port"),
+        pytest.param(["--node-address", "999.1.1.1"], {},
+                     "xreduced: --node-address must be an IP address or a host name, without a port; got '999.1.1.1' "
+                     "(not an IPv4 address)", id="node-address-999"),
+        pytest.param([], {"XREDUCE_NODE_ADDRESS": "999.1.1.1"},
+                     "xreduced: XREDUCE_NODE_ADDRESS must be an IP address or a host name, without a port; got "
+                     "'999.1.1.1' (not an IPv4 address)", id="env-node-address-999"),
         pytest.param(["--no-such-flag"], {}, "xreduced: error: unrecognized arguments: --no-such-flag",
                      id="unknown-flag"),
     ],

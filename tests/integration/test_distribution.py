@@ -482,6 +482,19 @@ def test_an_unreachable_coordinator_fails_initialize_with_the_daemons_message(st
     assert state.info is None and state.group is None
 
 
+@pytest.mark.parametrize("process_id", [0, 1], ids=["process-0", "process-1"])
+def test_a_typo_in_the_coordinators_host_is_named_as_such(start_daemon, process_id):
+    node = start_daemon(*NODE_FLAGS, "--collective-timeout", "2").address
+    typo = "127.0.0.l:1234"  # an "l" for the "1"
+    state = dist.DistributionState(address=node)
+    with pytest.raises(xreduce.InvalidArgumentError) as raised:
+        state.initialize(f"{typo},127.0.0.1:2345", 2, process_id)
+    message = str(raised.value)
+    assert message.startswith(f"coordinator: cannot resolve the host of job_addresses[0] {typo!r}: "), message
+    assert "--node-address" not in message, message
+    assert state.info is None and state.group is None
+
+
 def _status(address: str, *flags: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "xreduce._cli", "status", "--address", address, *flags],
                           capture_output=True, text=True, timeout=60)

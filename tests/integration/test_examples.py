@@ -57,7 +57,17 @@ def test_xreduce_plan_rejects_bad_arguments(command, args, message):
     assert message in result.stderr
 
 
-def test_xreduce_plan_help_is_the_daemons():
-    out = subprocess.run([sys.executable, "-m", "xreduce._cli", "plan", "--help"],
+def _option_help(usage: str, option: str) -> str:
+    """What argparse's help prints after ``option`` and its metavar, joined into one line."""
+    found = re.search(rf"^  {option}(?: \S+)?(.*(?:\n {{20,}}\S.*)*)", usage, re.MULTILINE)
+    assert found, f"{option} is not in the help:\n{usage}"
+    return " ".join(found.group(1).split())
+
+
+@pytest.mark.parametrize("command", PLAN_COMMANDS)
+def test_xreduce_plan_help_names_the_command_run_and_every_option(command):
+    out = subprocess.run([sys.executable, "-m", *PLAN_COMMANDS[command], "plan", "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert out.startswith("usage: xreduced plan") and "--num-packs" in out
+    assert out.startswith(f"usage: {command} "), out
+    for option in ("--devices", "--num-packs", "--bytes", "--tensors", "--dtype", "--algorithm"):
+        assert _option_help(out, option), f"{option} has no help:\n{out}"

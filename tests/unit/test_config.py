@@ -169,6 +169,13 @@ def test_environ_defaults_to_os_environ(monkeypatch):
         pytest.param("AUTO", "backend", "auto", id="backend-AUTO"),
         pytest.param("error", "log_level", "ERROR", id="log-level-error"),
         pytest.param(" 7 ", "workers", 7, id="workers-padded"),
+        pytest.param("127.0.0.1:65535", "listen", "127.0.0.1:65535", id="listen-port-65535"),
+        pytest.param("[::]:0", "listen", "[::]:0", id="listen-ipv6-any"),
+        pytest.param("localhost:0", "listen", "localhost:0", id="listen-localhost"),
+        pytest.param("unix-abstract:xreduced", "listen", "unix-abstract:xreduced", id="listen-abstract"),
+        pytest.param("localhost", "node_address", "localhost", id="node-address-localhost"),
+        pytest.param("node-1.cluster.local", "node_address", "node-1.cluster.local", id="node-address-name"),
+        pytest.param("fd00::1", "node_address", "fd00::1", id="node-address-ipv6"),
     ],
 )
 def test_boundary_values_are_accepted(value, field, want):
@@ -203,6 +210,22 @@ BAD = [
     ("max_collectives", "-3", "must be >= 1; got -3"),
     ("lane_express_hold", "-0.1", "must be a number of seconds in [0, 60] (0: no express lane); got -0.1"),
     ("lane_express_hold", "nan", "must be a number of seconds in [0, 60] (0: no express lane); got nan"),
+    ("listen", "127.0.0.1:99999",
+     "must be host:port or unix:PATH; got '127.0.0.1:99999' (port 99999 is not in 0..65535; 0 picks a free port)"),
+    ("listen", "127.0.0.1:65536",
+     "must be host:port or unix:PATH; got '127.0.0.1:65536' (port 65536 is not in 0..65535; 0 picks a free port)"),
+    ("listen", "127.0.0.1:-1", "must be host:port or unix:PATH; got '127.0.0.1:-1' (port '-1' is not a number)"),
+    ("listen", "localhost", "must be host:port or unix:PATH; got 'localhost' (no port)"),
+    ("listen", ":50551", "must be host:port or unix:PATH; got ':50551' (no host; 0.0.0.0 is every interface)"),
+    ("listen", "999.1.1.1:0", "must be host:port or unix:PATH; got '999.1.1.1:0' (host '999.1.1.1' is not an IPv4 "
+     "address)"),
+    ("listen", "unix:", "must be host:port or unix:PATH; got 'unix:' (no path)"),
+    ("node_address", "999.1.1.1",
+     "must be an IP address or a host name, without a port; got '999.1.1.1' (not an IPv4 address)"),
+    ("node_address", "10.0.0.1:1234",
+     "must be an IP address or a host name, without a port; got '10.0.0.1:1234' (a port: the engines pick theirs)"),
+    ("node_address", "node_1..example",
+     "must be an IP address or a host name, without a port; got 'node_1..example' (not a host name)"),
 ]
 BAD_IDS = [f"{f.replace('_', '-')}-{v}" for f, v, _ in BAD]
 

@@ -14,6 +14,7 @@ import xreduce
 from xreduce.distribute import (
     HierarchicalCopyAllReduce,
     MirroredStrategy,
+    NcclAllReduce,
     PerReplica,
     ReduceOp,
     ReductionToOneDevice,
@@ -131,6 +132,30 @@ def test_num_packs_must_be_an_integer(bad):
     message = f"num_packs must be an integer >= 0 (0: no packing); got {bad!r} of type {type(bad).__name__}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         HierarchicalCopyAllReduce(num_packs=bad)
+
+
+@pytest.mark.parametrize("ops", [HierarchicalCopyAllReduce, NcclAllReduce])
+def test_num_packs_beyond_the_wires_int32_is_refused_naming_it(ops):
+    for bad in (2**70, 2**31):
+        with pytest.raises(ValueError) as raised:
+            ops(num_packs=bad)
+        assert str(raised.value) == f"num_packs must be in [0, 2147483647] (0: no packing); got {bad}"
+    assert ops(num_packs=2**31 - 1).num_packs == 2**31 - 1
+
+
+@pytest.mark.parametrize(("values", "shown"), [
+    (["a", "b"], "'a'"), ([np.ones(2), None], "None"), ([np.ones(2), object()], "<object object at"),
+])
+def test_per_replica_of_values_that_are_not_arrays_names_the_value(values, shown):
+    bad = next(i for i, v in enumerate(values) if not isinstance(v, np.ndarray))
+    with pytest.raises(ValueError) as raised:
+        PerReplica(values)
+    message = str(raised.value)
+    assert message.startswith(f"PerReplica: values[{bad}] must be an array, a tensor or a number, one per device"), \
+        message
+    assert shown in message
+    if isinstance(values[bad], str):
+        assert "device names go in devices=" in message
 
 
 def test_num_packs_keeps_tfs_message_and_takes_numpy_integers():

@@ -9,7 +9,8 @@ also agree on lives here, once, and both import it:
 * :mod:`~xreduce.wire.layout`: where results go in an output region;
 * :mod:`~xreduce.wire.contract`: service and method names, the session metadata key,
   the default address, the MEAN promotion rule;
-* :mod:`~xreduce.wire.cuda_ipc`: CUDA IPC handles for CuPy arrays (CuPy imported on use).
+* :mod:`~xreduce.wire.cuda_ipc`: CUDA IPC handles for CuPy arrays (CuPy imported on use);
+* :mod:`~xreduce.wire.addresses`: the daemon's address forms and their checks.
 
 The daemon imports nothing else of the SDK but this package and the stubs.
 
