@@ -9,6 +9,9 @@ mostly large tensors; at a random point of them node 1 is hit:
 * ``stop``: node 1's daemon is SIGSTOPped (then SIGKILLed and restarted);
 * ``link-down`` (root, network namespaces): node 1's switch port goes down, its packets dropped
   silently (then it comes back up);
+* ``link-flap`` (root, network namespaces): node 1's switch port goes down and up again
+  :data:`FLAPS` times, each time down for 0.2 to 3 s (below and above the peer timeout) and up for 0.1
+  to 0.5 s, and stays up;
 * ``process-kill``: process 3, a training process of node 1, is SIGKILLed (its daemon lives on: it sees the
   process's session end); a new process 3 takes its place for the rejoin.
 
@@ -23,7 +26,7 @@ trials; and, at the end, over jobs that each have a coordinator address of their
 
 Usage (a few minutes; the machine otherwise idle):
 
-    .venv/bin/python bench/fault_trials.py [--trials 20] [--modes kill,stop,process-kill,link-down]
+    .venv/bin/python bench/fault_trials.py [--trials 20] [--modes kill,stop,process-kill,link-down,link-flap]
         [--json bench/results/fault-trials.json]
 """
 
@@ -38,11 +41,16 @@ import random
 import signal
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
 from xreduce_bench.faults import Cluster, NamespaceCluster, NodeProcess, footprint
 
+FLAPS = 3
+"""How many times the ``link-flap`` mode takes the link down."""
+LINK_MODES = ("link-down", "link-flap")
+"""The modes that cut a link between network namespaces (root)."""
 PLACEMENT = [0, 0, 1, 1]
 DEVICES = 4
 SIZES_MIB = (0.004, 4, 16, 32, 64)
@@ -89,6 +97,8 @@ class Trials:
         self.mode, self.cluster, self.rng, self.args, self.nodes = mode, cluster, rng, args, nodes
         self.span = 2.0
         """Seconds the collectives take, about (the calibration sets it): the faults land within it."""
+        self._flapping: threading.Thread | None = None
+        """The ``link-flap`` mode's flaps, in the background (:meth:`recover` waits for them)."""
 
     KILLED = len(PLACEMENT) - 1
     """The process the ``process-kill`` mode kills: the last, on node 1."""
@@ -100,8 +110,19 @@ class Trials:
             self.cluster.daemons[1].proc.send_signal(signal.SIGKILL)
         elif self.mode == "stop":
             self.cluster.daemons[1].proc.send_signal(signal.SIGSTOP)
+        elif self.mode == "link-flap":
+            pattern = [(self.rng.uniform(0.2, 3.0), self.rng.uniform(0.1, 0.5)) for _ in range(FLAPS)]
+            self._flapping = threading.Thread(target=self._flap, args=(pattern,), daemon=True)
+            self._flapping.start()
         else:
             self.nodes.cut(self.nodes[2])
+
+    def _flap(self, pattern: list[tuple[float, float]]) -> None:
+        for down, up in pattern:
+            self.nodes.cut(self.nodes[2])
+            time.sleep(down)
+            self.nodes.restore(self.nodes[2])
+            time.sleep(up)
 
     def recover(self, processes: list, steps: list[dict], rejoin: int) -> None:
         if self.mode == "process-kill":  # a new process in the killed one's place, from the rejoin on
@@ -111,6 +132,8 @@ class Trials:
                                        p, steps[rejoin:])
         elif self.mode == "link-down":
             self.nodes.restore(self.nodes[2])
+        elif self.mode == "link-flap":
+            self._flapping.join()  # it ends with the link up
         else:
             self.cluster.restart(1)
 
@@ -224,6 +247,7 @@ def summarize(records: list[dict], bound: float) -> dict:
         "completed_on_node_0_only": sum(r["completed_on_node_0_only"] for r in records),
         "survivor_served": sum(r["survivor_served"] for r in records),
         "rejoined": sum(r["rejoined"] for r in records),
+        "rejoined_within_bound": sum(r["rejoined"] and r["rejoin_s"] <= bound for r in records),
         "rejoin_median_s": round(statistics.median(r["rejoin_s"] for r in records), 3) if records else None,
         "rejoin_max_s": max(r["rejoin_s"] for r in records) if records else None,
     }
@@ -242,7 +266,7 @@ def print_trial(r: dict) -> None:
 def run_mode(mode: str, args: argparse.Namespace, flags: list[str], rng: random.Random) -> dict:
     nodes = None
     with contextlib.ExitStack() as stack:
-        if mode == "link-down":
+        if mode in LINK_MODES:
             from xreduce_bench.netns import Nodes
 
             nodes = stack.enter_context(Nodes(2))
@@ -286,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="trials per mode (default 20)")
     ap.add_argument("--modes", default="kill,stop,process-kill",
-                    help="kill, stop, process-kill, link-down (root); default kill,stop,process-kill")
+                    help="kill, stop, process-kill, link-down, link-flap (root); default kill,stop,process-kill")
     ap.add_argument("--peer-timeout", type=float, default=2.0)
     ap.add_argument("--heartbeat-interval", type=float, default=0.5)
     ap.add_argument("--collective-timeout", type=float, default=30.0)
@@ -296,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="bench/results/fault-trials.json", help="where the results go ('' none)")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ("kill", "stop", "process-kill", "link-down")]
+    unknown = [m for m in modes if m not in ("kill", "stop", "process-kill", *LINK_MODES)]
     if unknown:
-        ap.error(f"--modes: kill, stop, process-kill or link-down; got {args.modes!r}")
+        ap.error(f"--modes: kill, stop, process-kill, link-down or link-flap; got {args.modes!r}")
     if args.trials < 1 or args.distinct_jobs < 0:
         ap.error(f"--trials must be >= 1 and --distinct-jobs >= 0; got {args.trials} and {args.distinct_jobs}")
     flags = ["--backend", "numpy", "--virtual-devices", str(DEVICES), "--peer-timeout", str(args.peer_timeout),
@@ -319,13 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         results["modes"][mode]["summary"] = summarize(results["modes"][mode]["trials"], bound)
     print("\nsummary (node 0 survives; times from the fault)")
     print(f"  {'mode':12s} {'trials':>6s} {'detected':>8s} {'median s':>8s} {'max s':>6s} {'<= 2xpt':>7s} "
-          f"{'partial':>7s} {'0-only':>6s} {'served':>6s} {'rejoined':>8s} {'rejoin s':>8s}  codes")
+          f"{'partial':>7s} {'0-only':>6s} {'served':>6s} {'rejoined':>8s} {'<= 2xpt':>7s} {'rejoin s':>8s}  codes")
     for mode, r in results["modes"].items():
         s = r["summary"]
         print(f"  {mode:12s} {s['trials']:6d} {s['fault_before_the_end']:8d} {s['detection_median_s'] or 0:8.2f} "
               f"{s['detection_max_s'] or 0:6.2f} {s['within_bound']:7d} {s['partial']:7d} "
               f"{s['completed_on_node_0_only']:6d} {s['survivor_served']:6d} "
-              f"{s['rejoined']:8d} {s['rejoin_median_s']:8.2f}  node 0: {','.join(s['survivor_codes'])}; "
+              f"{s['rejoined']:8d} {s['rejoined_within_bound']:7d} {s['rejoin_median_s']:8.2f}  "
+              f"node 0: {','.join(s['survivor_codes'])}; "
               f"all: {','.join(s['codes'])}")
     print("\nnode 0's daemon (threads, open descriptors, resident MiB), after the warm-up and after the trials")
     for mode, r in results["modes"].items():

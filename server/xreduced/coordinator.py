@@ -256,13 +256,14 @@ class Coordinator:
         """
         with self._lock:
             group, current = self._epoch(gid, epoch)
-            yield self._state(group, current, epoch)
+            state = self._state(group, current, epoch)
+        yield state  # never under the lock: sending may wait on the network, and every node's heartbeat on the lock
+        with self._lock:
             while current is not None and current.ok and active() and not self._closed.is_set():
                 self._lock.wait(self.heartbeat_interval)
-            if current is not None and not current.ok:
-                state = self._state(group, current, epoch)
-            else:
+            if current is None or current.ok:
                 return
+            state = self._state(group, current, epoch)
         yield state
 
     def left(self, gid: str, epoch: int, node_id: str) -> None:
