@@ -42,9 +42,9 @@ def no_child_left():
     STARTED.end_all()
 
 
-def child(daemon, group: str, pid: int, script: list[str]) -> subprocess.Popen:
+def child(daemon, group: str, pid: int, script: list[str], stall: str = "0") -> subprocess.Popen:
     env = dict(child_env(), XREDUCE_ADDRESS=daemon.address, XREDUCE_GROUP=group,
-               XREDUCE_STALL_WARNING_SECONDS="0")
+               XREDUCE_STALL_WARNING_SECONDS=stall)
     return STARTED.popen([sys.executable, __file__, str(pid), *script], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
 
@@ -127,6 +127,29 @@ def test_a_process_ended_while_it_joins_leaves_no_registration_behind(daemon, ho
         assert events(proc) == [{"step": "init", "ok": None}, {"step": "reduce", "ok": [2.0, 2.0]}]
 
 
+def test_a_stopped_process_is_named_by_the_stall_warning_and_the_timeout(daemon):
+    """A SIGSTOPped process keeps its session: the other waits, is told whom it waits for by the stall
+    warning (1 s here), and its collective times out naming it; nothing waits past the timeout."""
+    survivor = child(daemon, "stopped", 0, ["init", "reduce", "wait-file", "reduce-3s"], stall="1")
+    victim = child(daemon, "stopped", 1, ["init", "reduce", "sleep-long"])
+    ready = f"/tmp/xreduce-membership-ready-{victim.pid}"
+    while not os.path.exists(ready):
+        assert victim.poll() is None
+        time.sleep(0.02)
+    os.unlink(ready)
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        open(f"/tmp/xreduce-membership-{survivor.pid}", "w").close()
+        out, err = survivor.communicate(timeout=TIMEOUT)
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert got[2]["error"] == "DeadlineExceededError", got
+    assert "waiting for process(es) [1]" in got[2]["message"], got[2]
+    assert 'collective 1 in group "stopped" has not completed after 1 s (this is process 0 of 2; it waits ' \
+        "for process 1)" in err, err
+
+
 def test_a_clean_end_by_every_process_loses_nobody(daemon):
     procs = [child(daemon, "clean", p, ["init", "reduce", "shutdown"]) for p in (0, 1)]
     for proc in procs:
@@ -146,10 +169,11 @@ def _main(pid: int, script: list[str]) -> None:
             if step == "init":
                 xreduce.distribution.initialize(num_processes=2, process_id=pid)
                 event["ok"] = None
-            elif step == "reduce":
+            elif step in ("reduce", "reduce-3s"):
                 device = xreduce.distribution.process_info().local_devices[0]
                 value = distribute.PerReplica([np.ones(2, np.float32)], devices=[device])
-                event["ok"] = np.asarray(ops.reduce("sum", value, device)).tolist()
+                options = distribute.CommunicationOptions(timeout_seconds=3) if step == "reduce-3s" else None
+                event["ok"] = np.asarray(ops.reduce("sum", value, device, options=options)).tolist()
             elif step == "shutdown":
                 xreduce.distribution.shutdown()
                 event["ok"] = None
