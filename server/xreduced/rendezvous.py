@@ -346,9 +346,12 @@ class Rendezvous:
                 _, kind, message = self._failed[key]
                 raise kind(message)
             c = self._open.get(key)
-            if c is None:
-                c = self._open[key] = self._opened(meeting, now)
-            error = self._refusal(meeting, c, pid)
+            opened = c is None
+            if opened:
+                c = self._opened(meeting, now)
+            error = self._refusal(meeting, c, pid)  # raises, with nothing kept, for a process not expected here
+            if opened:
+                self._open[key] = c
             if error is None:
                 c.arrived[pid] = participant.contribution
                 if len(c.arrived) == c.count:

@@ -493,3 +493,15 @@ def test_a_process_not_expected_here_is_refused_and_the_others_go_on():
                                   "must call its own node's daemon (the one it joined the group through)")
     assert not waiting.done
     assert _run(r, 0, 2, num=4, expected=frozenset({0, 2})) == 3 and waiting.value == 3
+
+
+def test_a_process_not_expected_here_arriving_first_leaves_nothing_waiting():
+    r = Rendezvous()
+    with pytest.raises(InvalidArgument, match="process 1 is not one of this node's processes"):
+        _run(r, 1, num=4, expected=frozenset({0, 2}))
+    assert r.pending() == 0
+    with pytest.raises(InvalidArgument, match="process 1 is not one of this node's processes"):
+        _run(r, 1, num=3, expected=frozenset({0, 2}))  # not a disagreement with a collective nobody joined
+    waiting = Deferred()
+    _run(r, 2, 1, num=3, expected=frozenset({0, 2}), defer=waiting)
+    assert _run(r, 0, 2, num=3, expected=frozenset({0, 2})) == 3 and waiting.value == 3
