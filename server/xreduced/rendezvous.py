@@ -247,6 +247,9 @@ class Rendezvous:
         max_failed: how many failed collectives are remembered at most.
         report_after: seconds a collective waits before its waiting is logged
             (then at gaps that double up to 30 s); 0: never.
+        arriving: told the key of a collective a participant has just joined here without completing it:
+            the express lane (:meth:`xreduced.express.Express.claim`) hands over what it holds of that
+            collective; None: nobody is told.
 
     Example:
         >>> import threading
@@ -264,7 +267,8 @@ class Rendezvous:
         [(0, 10), (1, 10)]
     """
 
-    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0):
+    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0,
+                 arriving: Callable[[CollectiveKey], None] | None = None):
         self._lock = threading.Lock()
         self._report_after = report_after
         self._open: dict[CollectiveKey, _Collective] = {}
@@ -274,9 +278,7 @@ class Rendezvous:
         )
         self._failed_ttl = failed_ttl
         self._max_failed = max_failed
-        self.arriving: Callable[[CollectiveKey], None] | None = None
-        """Told the key of a collective a participant has just joined here without completing it: the
-        express lane (:mod:`xreduced.express`) hands over what it holds of that collective."""
+        self._arriving = arriving
 
     def knows(self, key: CollectiveKey) -> bool:
         """Whether collective ``key`` is waiting here, or failed here recently (its error kept for late arrivals).
@@ -319,8 +321,8 @@ class Rendezvous:
         c, arrived = self._arrive(meeting, participant)
         if arrived is _Arrived.LAST:
             return self._complete(meeting, c, participant, compute)
-        if self.arriving is not None:
-            self.arriving(meeting.key)
+        if self._arriving is not None:
+            self._arriving(meeting.key)
         if participant.on_leave is not None:
             leave = lambda: self._leave(meeting, c, participant.process_id)  # noqa: E731
             if participant.on_leave(leave) is False:  # gRPC: the call had already ended

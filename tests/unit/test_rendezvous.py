@@ -280,16 +280,15 @@ def _in_thread(fn, name=None) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def _arrivals(r: Rendezvous) -> threading.Semaphore:
-    """Released once per participant that arrives without completing (the rendezvous's ``arriving`` hook)."""
+def _watched() -> tuple[Rendezvous, threading.Semaphore]:
+    """A rendezvous, and a semaphore released once per participant that arrives there without completing
+    (its ``arriving``)."""
     arrived = threading.Semaphore(0)
-    r.arriving = lambda key: arrived.release()
-    return arrived
+    return Rendezvous(arriving=lambda key: arrived.release()), arrived
 
 
 def test_the_last_arrival_computes_once_in_its_own_thread():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     calls = []
 
     def compute(c):
@@ -310,8 +309,7 @@ def test_the_last_arrival_computes_once_in_its_own_thread():
 
 
 def test_a_waiting_participant_returns_only_once_the_last_one_arrives():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     thread, out = _in_thread(lambda: _run(r, 0, 1))
     assert arrived.acquire(timeout=10)
     assert out == {} and r.pending() == 1
@@ -335,8 +333,7 @@ def test_the_last_arrival_computes_itself_even_when_it_could_defer():
 
 
 def test_a_waiter_whose_reduction_overruns_is_told_it_did_not_finish():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     computing, release = threading.Event(), threading.Event()
 
     def slow(c):
@@ -401,8 +398,7 @@ def test_leaving_once_everyone_has_arrived_changes_nothing():
 
 
 def test_a_deferred_participant_that_leaves_aborts_the_waiting_thread():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     leave = []
     thread, out = _in_thread(lambda: _run(r, 0, num=3))
     assert arrived.acquire(timeout=10)
@@ -413,8 +409,7 @@ def test_a_deferred_participant_that_leaves_aborts_the_waiting_thread():
 
 
 def test_fail_group_reaches_threads_and_deferred_participants_but_not_the_join():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     waiting = Deferred()
     _run(r, 0, defer=waiting)
     thread, out = _in_thread(lambda: _run(r, 0, key=CollectiveKey("g", 1)))
@@ -462,8 +457,7 @@ def test_a_failure_not_to_remember_leaves_nothing_for_late_arrivals():
 
 
 def test_an_abandoned_collective_fails_its_waiters_and_is_remembered():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     over = threading.Event()
 
     def abandoned():
