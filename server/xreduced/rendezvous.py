@@ -153,7 +153,7 @@ class Participant:
     :class:`Meeting`).
 
     Example:
-        >>> Participant(1, contribution=[1.0, 2.0], timeout=30.0, defer=Deferred()).process_id
+        >>> Participant(1, contribution=[1.0, 2.0], timeout=30.0, defer=True).process_id
         1
     """
 
@@ -164,10 +164,10 @@ class Participant:
     on_leave: Callable[[Callable[[], None]], Any] | None = None
     """Registers a function to call if this participant's call ends before the collective completes (gRPC's
     ``add_callback``; False: the call has already ended)."""
-    defer: Deferred | None = None
-    """When given, a participant that is not the last does not wait: ``defer`` is returned at once, and
-    resolved later with this process's share or the error (see the module). Not with a meeting's
-    ``abandoned``."""
+    defer: bool = False
+    """True: a participant that is not the last does not wait: a :class:`~xreduced.deferred.Deferred` is
+    returned at once, and resolved later with this process's share or the error (see the module). Not with a
+    meeting's ``abandoned``."""
 
 
 class _State(enum.Enum):
@@ -305,7 +305,7 @@ class Rendezvous:
     def run(self, meeting: Meeting, participant: Participant,
             compute: Callable[[dict[int, Any]], Mapping[int, Any]]) -> Any:
         """Contributes and waits (at most ``participant.timeout`` s); returns this process's share, or, for
-        a participant with a ``defer`` that is not the last, that deferred.
+        a participant with ``defer`` that is not the last, a :class:`~xreduced.deferred.Deferred` of it.
 
         Args:
             meeting: the collective, as this participant names it.
@@ -318,7 +318,7 @@ class Rendezvous:
             DeadlineExceeded: not everyone arrived in time; names who is missing.
             Aborted: a participant's call ended before the collective completed.
         """
-        c, arrived = self._arrive(meeting, participant)
+        c, arrived, defer = self._arrive(meeting, participant)
         if arrived is _Arrived.LAST:
             return self._complete(meeting, c, participant, compute)
         if self._arriving is not None:
@@ -327,13 +327,14 @@ class Rendezvous:
             leave = lambda: self._leave(meeting, c, participant.process_id)  # noqa: E731
             if participant.on_leave(leave) is False:  # gRPC: the call had already ended
                 leave()
-        if participant.defer is not None:
-            return self._defer(meeting, c, participant)
+        if defer is not None:
+            return defer
         return self._await(meeting, c, participant)
 
-    def _arrive(self, meeting: Meeting, participant: Participant) -> tuple[_Collective, _Arrived]:
+    def _arrive(self, meeting: Meeting, participant: Participant) -> tuple[_Collective, _Arrived, Deferred | None]:
         """Records the contribution, under the lock: LAST when it completes the collective (which is then
-        COMPLETE), else WAITING (a deferred participant is kept, to be answered when it ends).
+        COMPLETE), else WAITING, with a deferred participant's :class:`~xreduced.deferred.Deferred`
+        (:meth:`_deferred`), kept to be answered when the collective ends.
 
         Raises:
             ServiceError: the collective's remembered failure.
@@ -358,10 +359,11 @@ class Rendezvous:
                 c.arrived[pid] = participant.contribution
                 if len(c.arrived) == c.count:
                     self._transition(c, _State.OPEN, _State.COMPLETE)
-                    return c, _Arrived.LAST
-                if participant.defer is not None:
-                    c.deferred[pid] = participant.defer
-                return c, _Arrived.WAITING
+                    return c, _Arrived.LAST, None
+                if not participant.defer:
+                    return c, _Arrived.WAITING, None
+                defer = c.deferred[pid] = self._deferred(c, participant.timeout, meeting.remember_failure, now)
+                return c, _Arrived.WAITING, defer
             waiting = self._transition(c, _State.OPEN, _State.FAILED, error=error, remember=meeting.remember_failure)
         self._answer(c, waiting)  # the participants waiting without a thread learn it too
         c.raise_error()
@@ -411,12 +413,12 @@ class Rendezvous:
         self._end(c, _State.COMPLETE, _State.DONE, results=results)
         return results[participant.process_id]
 
-    def _defer(self, meeting: Meeting, c: _Collective, participant: Participant) -> Deferred:
-        """A deferred participant's turn: its deferred, at once; the collective's end resolves it. Its waiting
-        thread is told when to wake (``wake_at``): at the next report or the deadline, when the collective
-        times out; once everyone has arrived, the reduction gets ``max(timeout, 1)`` s more."""
-        defer, timeout, remember = participant.defer, participant.timeout, meeting.remember_failure
-        end = time.monotonic() + timeout
+    def _deferred(self, c: _Collective, timeout: float, remember: bool, now: float) -> Deferred:
+        """A deferred participant's :class:`~xreduced.deferred.Deferred`, returned at once; the collective's
+        end resolves it. Its waiting thread is told when to wake (``wake_at``): at the next report or the
+        deadline, when the collective times out; once everyone has arrived, the reduction gets
+        ``max(timeout, 1)`` s more."""
+        end = now + timeout
         finish = end + max(timeout, 1.0)
 
         def wake_at() -> float:
@@ -432,7 +434,7 @@ class Rendezvous:
             elif state is _State.COMPLETE and now >= finish:
                 defer.resolve(error=_unfinished(c, timeout))
 
-        defer.wake_at_hook, defer.wake_hook = wake_at, wake
+        defer = Deferred(wake_at=wake_at, wake=wake)
         return defer
 
     def _await(self, meeting: Meeting, c: _Collective, participant: Participant) -> Any:

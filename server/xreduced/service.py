@@ -645,7 +645,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         across_nodes = cluster is not None and cluster.spans_nodes
         if cluster is None and not joining:
             self.local_groups.check(group.key.group, group.label)
-        defer = Deferred() if deferrable and getattr(context, "defers", False) and not across_nodes else None
+        defers = deferrable and getattr(context, "defers", False) and not across_nodes
         try:
             self.admission.collectives.enter(group.key, group.label)
         except LimitExceeded as e:
@@ -659,11 +659,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                               remember_failure=remember_failure,
                               abandoned=cluster.abandoned if across_nodes else None)
             participant = Participant(group.process_id, share, max(deadline.remaining(), 0.0),
-                                      on_leave=context.add_callback, defer=defer)
+                                      on_leave=context.add_callback, defer=defers)
             out = self.rendezvous.run(meeting, participant, compute)
-            if defer is not None and out is defer:
+            if defers and isinstance(out, Deferred):
                 waits = True
-                defer.on_done(lambda *_: self.admission.collectives.leave(group.key))
+                out.on_done(lambda *_: self.admission.collectives.leave(group.key))
             return out
         except ServiceError as e:
             if across_nodes and not cluster.entered(group.sequence):  # the other nodes would wait for this one
