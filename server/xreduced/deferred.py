@@ -36,16 +36,22 @@ class Deferred:
         (True, False, True, ['sum 6'])
     """
 
-    def __init__(self, source: Deferred | None = None):
+    def __init__(self, source: Deferred | None = None, *, wake_at: Callable[[], float] | None = None,
+                 wake: Callable[[float], None] | None = None):
+        """A new deferred; ``source``: the deferred of a chain's first step (:meth:`settle` passes it).
+
+        Args:
+            wake_at: when the waiting side should call :meth:`wake` (``time.monotonic()``), as the source (who
+                resolves it, e.g. the rendezvous) says.
+            wake: the source's turn at that time: it logs a long wait, or fails at the deadline.
+        """
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Any, BaseException | None], None]] = []
         self._source = source if source is not None else self
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
-        self.wake_hook: Callable[[float], None] | None = None
-        """Set by whoever resolves it: called by :meth:`wake` (the waiter's deadline, a due report)."""
-        self.wake_at_hook: Callable[[], float] | None = None
+        self._wake_at, self._wake = wake_at, wake
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> bool:
         """Delivers ``value`` (or ``error``) and runs the chained steps, in this thread; False if it was
@@ -103,12 +109,12 @@ class Deferred:
 
     def wake_at(self) -> float:
         """When (``time.monotonic()``) the waiting side should call :meth:`wake`; inf: never."""
-        hook = self._source.wake_at_hook
+        hook = self._source._wake_at
         return hook() if hook is not None and not self.done else math.inf
 
     def wake(self, now: float) -> None:
         """The waiting side's turn: the source logs a long wait, or fails at the deadline."""
-        hook = self._source.wake_hook
+        hook = self._source._wake
         if hook is not None and not self.done:
             hook(now)
 

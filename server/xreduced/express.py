@@ -107,8 +107,8 @@ class Express:
             nodes: then the full path serves it.
         begin, end: the pipeline's :meth:`~xreduced.pipeline.CallPipeline.begin_express` and ``end_express``.
         hold: seconds a call waits here for the rest of its collective (``--lane-express-hold``).
-
-    The lane sets :attr:`wake`: how a collective handed over from another thread wakes the lane's thread.
+        wake: wakes the lane's thread (from any thread) to serve the calls :meth:`claim` handed over
+            (:meth:`xreduced.lane.Wakeup.wake`).
 
     Example (the lane's thread calls it; see tests/unit/test_express_matching.py):
         >>> express = Express(known=lambda shape: None, reduce=None, busy=lambda key, group: False,
@@ -119,11 +119,12 @@ class Express:
 
     def __init__(self, known: Callable[[bytes], Any], reduce: Callable[..., dict[int, bytes]],
                  busy: Callable[[CollectiveKey, str], bool], begin: Callable[..., Any],
-                 end: Callable[[Any, int | None], None], hold: float = 0.5):
+                 end: Callable[[Any, int | None], None], hold: float = 0.5,
+                 wake: Callable[[], None] = lambda: None):
         self._known, self._reduce, self._busy = known, reduce, busy
         self._begin, self._end = begin, end
         self.hold = hold
-        self.wake: Callable[[], None] = lambda: None
+        self._wake = wake
         self._lock = threading.Lock()
         self._pending: dict[CollectiveKey, dict[int, Arrival]] = {}
         """The collectives being matched here, each by process id, in arrival order."""
@@ -198,7 +199,7 @@ class Express:
             if key not in self._pending:
                 return
             self._handed.extend(self._hand(self._release(key), "a participant came by the full path"))
-        self.wake()
+        self._wake()
 
     def handed_over(self) -> list[Arrival]:
         """The calls :meth:`claim` handed over since last asked, for the full path."""

@@ -218,6 +218,41 @@ class LaneContext:
         raise LaneAbort(code, message)
 
 
+class Wakeup:
+    """A pipe that wakes the lane's thread from any thread: its ``epoll`` waits on :attr:`fd`.
+
+    Example:
+        >>> wakeup = Wakeup()
+        >>> wakeup.wake(); wakeup.wake()
+        >>> os.read(wakeup.fd, 16)
+        b'xx'
+        >>> wakeup.close()
+    """
+
+    def __init__(self):
+        self.fd, self._write = os.pipe()
+        """The end the lane's thread waits on."""
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        """Wakes the lane's thread (from any thread)."""
+        with contextlib.suppress(OSError):  # full: the loop is awake already
+            os.write(self._write, b"x")
+
+    def clear(self) -> None:
+        """The lane's thread, woken: the wake-ups are read."""
+        with contextlib.suppress(OSError):
+            os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        """Closes both ends (the lane, once its thread has ended); again: nothing."""
+        fds, self.fd, self._write = (self.fd, self._write), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
 class LocalLane:
     """The lane's socket and its connections, served through ``pipeline`` by one thread.
 
@@ -239,6 +274,8 @@ class LocalLane:
         max_connections: connections served at once; more are refused (their callers use gRPC).
         protect: called with a socket file's path once it is bound (its permissions).
         express: the express lane for small calls of known shapes, or None (``--lane-express-hold 0``).
+        wakeup: wakes the lane's thread from other threads; the express lane's (:class:`Wakeup`), or a new one.
+            The lane closes it.
 
     Example:
         >>> from xreduced.admission import Admission
@@ -252,7 +289,7 @@ class LocalLane:
 
     def __init__(self, address: str, pipeline: CallPipeline, handlers: Mapping[str, grpc.RpcMethodHandler],
                  regions: RegionTable, max_connections: int, protect: Callable[[str], None] | None = None,
-                 express: Express | None = None):
+                 express: Express | None = None, wakeup: Wakeup | None = None):
         self.address = address
         self._pipeline = pipeline
         self._handlers = handlers
@@ -267,9 +304,8 @@ class LocalLane:
         self._calls = 0
         self._express_calls = 0
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wakeup = wakeup or Wakeup()
+        self._selector.register(self._wakeup.fd, selectors.EVENT_READ, None)
         self._greeted: list[_Connection] = []
         self._workers = concurrent.futures.ThreadPoolExecutor(max(max_connections, 1),
                                                               thread_name_prefix="xreduced-lane-call")
@@ -278,8 +314,6 @@ class LocalLane:
         """The calls served by the loop that wait in a collective (deferred)."""
         self.express = express
         """The express lane (:mod:`xreduced.express`), or None."""
-        if express is not None:
-            express.wake = self._wake
 
     def start(self) -> LocalLane:
         """Binds and starts accepting.
@@ -341,8 +375,7 @@ class LocalLane:
         return answered, 0 if self.express is None else self.express.held()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # full: the loop is awake already
-            os.write(self._wake_w, b"x")
+        self._wakeup.wake()
 
     # --- connections ---------------------------------------------------------------------------------------
 
@@ -450,9 +483,7 @@ class LocalLane:
             self._drop(connection, "the lane closed")
         with contextlib.suppress(OSError):
             self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._wakeup.close()
 
     def _turn(self) -> None:
         """One wait in ``epoll`` and what came: new connections, calls, hang-ups; then the waiting calls due
@@ -501,8 +532,7 @@ class LocalLane:
                     log.exception("event=lane_internal_error peer=%s", connection.peer)
 
     def _take_greeted(self) -> None:
-        with contextlib.suppress(OSError):
-            os.read(self._wake_r, 4096)
+        self._wakeup.clear()
         if self.express is not None:
             self._hand_over(self.express.handed_over())
         with self._lock:

@@ -9,7 +9,8 @@ outputs name regions is :mod:`xreduced.decode`'s part.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from xreduce.v1 import xreduce_pb2 as pb
 
@@ -20,6 +21,20 @@ log = logging.getLogger("xreduced.service")
 
 _LOCAL_PEERS = ("unix:", "ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D")
 """``context.peer()`` prefixes of callers on the daemon's host."""
+
+
+class Lane(Protocol):
+    """The local lane, as sessions learn of it (:class:`~xreduced.lane.LocalLane`).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> lane: Lane = SimpleNamespace(address="unix-abstract:lane")
+        >>> lane.address
+        'unix-abstract:lane'
+    """
+
+    address: str
+    """Where callers on this host reach it."""
 
 
 class RegionService:
@@ -35,10 +50,10 @@ class RegionService:
         metadata that OpenSession returned; got none
     """
 
-    def __init__(self, regions: RegionTable):
+    def __init__(self, regions: RegionTable, lane: Callable[[], Lane | None] = lambda: None):
         self.regions = regions
-        self.local_lane = ""
-        """The local lane's address, offered to sessions of callers on this host; empty: none."""
+        self.lane = lane
+        """The local lane once it is open, offered to sessions of callers on this host; None: none."""
 
     def OpenSession(self, request: pb.OpenSessionRequest, context) -> Iterator[pb.OpenSessionResponse]:
         """Opens a session that lasts as long as the call: one reply, then the stream stays open.
@@ -55,6 +70,7 @@ class RegionService:
         context.add_callback(lambda: self.regions.session_ended(session.id))
         peer = context.peer()
         local = peer.startswith(_LOCAL_PEERS)
+        lane = self.lane()
         if not local:  # RegisterRegion would refuse it: say so now, the SDK takes the wire
             reason = f"regions are for callers on the daemon's host (a unix socket or loopback); this is {peer}"
         elif request.probe_shm_key:
@@ -65,7 +81,7 @@ class RegionService:
                  reason is None)
         yield pb.OpenSessionResponse(session_id=session.id, shared_memory=reason is None,
                                      shared_memory_error=reason or "", cuda_ipc=self.regions.cuda_ipc,
-                                     local_lane=self.local_lane if local else "")
+                                     local_lane=lane.address if local and lane is not None else "")
         # The stream is the session: it stays open until the client leaves or the daemon stops.
         while context.is_active() and not session.closed.wait(1.0):
             pass

@@ -153,7 +153,7 @@ class Participant:
     :class:`Meeting`).
 
     Example:
-        >>> Participant(1, contribution=[1.0, 2.0], timeout=30.0, defer=Deferred()).process_id
+        >>> Participant(1, contribution=[1.0, 2.0], timeout=30.0, defer=True).process_id
         1
     """
 
@@ -164,10 +164,10 @@ class Participant:
     on_leave: Callable[[Callable[[], None]], Any] | None = None
     """Registers a function to call if this participant's call ends before the collective completes (gRPC's
     ``add_callback``; False: the call has already ended)."""
-    defer: Deferred | None = None
-    """When given, a participant that is not the last does not wait: ``defer`` is returned at once, and
-    resolved later with this process's share or the error (see the module). Not with a meeting's
-    ``abandoned``."""
+    defer: bool = False
+    """True: a participant that is not the last does not wait: a :class:`~xreduced.deferred.Deferred` is
+    returned at once, and resolved later with this process's share or the error (see the module). Not with a
+    meeting's ``abandoned``."""
 
 
 class _State(enum.Enum):
@@ -247,6 +247,9 @@ class Rendezvous:
         max_failed: how many failed collectives are remembered at most.
         report_after: seconds a collective waits before its waiting is logged
             (then at gaps that double up to 30 s); 0: never.
+        arriving: told the key of a collective a participant has just joined here without completing it:
+            the express lane (:meth:`xreduced.express.Express.claim`) hands over what it holds of that
+            collective; None: nobody is told.
 
     Example:
         >>> import threading
@@ -264,7 +267,8 @@ class Rendezvous:
         [(0, 10), (1, 10)]
     """
 
-    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0):
+    def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0,
+                 arriving: Callable[[CollectiveKey], None] | None = None):
         self._lock = threading.Lock()
         self._report_after = report_after
         self._open: dict[CollectiveKey, _Collective] = {}
@@ -274,9 +278,7 @@ class Rendezvous:
         )
         self._failed_ttl = failed_ttl
         self._max_failed = max_failed
-        self.arriving: Callable[[CollectiveKey], None] | None = None
-        """Told the key of a collective a participant has just joined here without completing it: the
-        express lane (:mod:`xreduced.express`) hands over what it holds of that collective."""
+        self._arriving = arriving
 
     def knows(self, key: CollectiveKey) -> bool:
         """Whether collective ``key`` is waiting here, or failed here recently (its error kept for late arrivals).
@@ -303,7 +305,7 @@ class Rendezvous:
     def run(self, meeting: Meeting, participant: Participant,
             compute: Callable[[dict[int, Any]], Mapping[int, Any]]) -> Any:
         """Contributes and waits (at most ``participant.timeout`` s); returns this process's share, or, for
-        a participant with a ``defer`` that is not the last, that deferred.
+        a participant with ``defer`` that is not the last, a :class:`~xreduced.deferred.Deferred` of it.
 
         Args:
             meeting: the collective, as this participant names it.
@@ -316,22 +318,23 @@ class Rendezvous:
             DeadlineExceeded: not everyone arrived in time; names who is missing.
             Aborted: a participant's call ended before the collective completed.
         """
-        c, arrived = self._arrive(meeting, participant)
+        c, arrived, defer = self._arrive(meeting, participant)
         if arrived is _Arrived.LAST:
             return self._complete(meeting, c, participant, compute)
-        if self.arriving is not None:
-            self.arriving(meeting.key)
+        if self._arriving is not None:
+            self._arriving(meeting.key)
         if participant.on_leave is not None:
             leave = lambda: self._leave(meeting, c, participant.process_id)  # noqa: E731
             if participant.on_leave(leave) is False:  # gRPC: the call had already ended
                 leave()
-        if participant.defer is not None:
-            return self._defer(meeting, c, participant)
+        if defer is not None:
+            return defer
         return self._await(meeting, c, participant)
 
-    def _arrive(self, meeting: Meeting, participant: Participant) -> tuple[_Collective, _Arrived]:
+    def _arrive(self, meeting: Meeting, participant: Participant) -> tuple[_Collective, _Arrived, Deferred | None]:
         """Records the contribution, under the lock: LAST when it completes the collective (which is then
-        COMPLETE), else WAITING (a deferred participant is kept, to be answered when it ends).
+        COMPLETE), else WAITING, with a deferred participant's :class:`~xreduced.deferred.Deferred`
+        (:meth:`_deferred`), kept to be answered when the collective ends.
 
         Raises:
             ServiceError: the collective's remembered failure.
@@ -346,17 +349,21 @@ class Rendezvous:
                 _, kind, message = self._failed[key]
                 raise kind(message)
             c = self._open.get(key)
-            if c is None:
-                c = self._open[key] = self._opened(meeting, now)
-            error = self._refusal(meeting, c, pid)
+            opened = c is None
+            if opened:
+                c = self._opened(meeting, now)
+            error = self._refusal(meeting, c, pid)  # raises, with nothing kept, for a process not expected here
+            if opened:
+                self._open[key] = c
             if error is None:
                 c.arrived[pid] = participant.contribution
                 if len(c.arrived) == c.count:
                     self._transition(c, _State.OPEN, _State.COMPLETE)
-                    return c, _Arrived.LAST
-                if participant.defer is not None:
-                    c.deferred[pid] = participant.defer
-                return c, _Arrived.WAITING
+                    return c, _Arrived.LAST, None
+                if not participant.defer:
+                    return c, _Arrived.WAITING, None
+                defer = c.deferred[pid] = self._deferred(c, participant.timeout, meeting.remember_failure, now)
+                return c, _Arrived.WAITING, defer
             waiting = self._transition(c, _State.OPEN, _State.FAILED, error=error, remember=meeting.remember_failure)
         self._answer(c, waiting)  # the participants waiting without a thread learn it too
         c.raise_error()
@@ -406,12 +413,12 @@ class Rendezvous:
         self._end(c, _State.COMPLETE, _State.DONE, results=results)
         return results[participant.process_id]
 
-    def _defer(self, meeting: Meeting, c: _Collective, participant: Participant) -> Deferred:
-        """A deferred participant's turn: its deferred, at once; the collective's end resolves it. Its waiting
-        thread is told when to wake (``wake_at``): at the next report or the deadline, when the collective
-        times out; once everyone has arrived, the reduction gets ``max(timeout, 1)`` s more."""
-        defer, timeout, remember = participant.defer, participant.timeout, meeting.remember_failure
-        end = time.monotonic() + timeout
+    def _deferred(self, c: _Collective, timeout: float, remember: bool, now: float) -> Deferred:
+        """A deferred participant's :class:`~xreduced.deferred.Deferred`, returned at once; the collective's
+        end resolves it. Its waiting thread is told when to wake (``wake_at``): at the next report or the
+        deadline, when the collective times out; once everyone has arrived, the reduction gets
+        ``max(timeout, 1)`` s more."""
+        end = now + timeout
         finish = end + max(timeout, 1.0)
 
         def wake_at() -> float:
@@ -427,7 +434,7 @@ class Rendezvous:
             elif state is _State.COMPLETE and now >= finish:
                 defer.resolve(error=_unfinished(c, timeout))
 
-        defer.wake_at_hook, defer.wake_hook = wake_at, wake
+        defer = Deferred(wake_at=wake_at, wake=wake)
         return defer
 
     def _await(self, meeting: Meeting, c: _Collective, participant: Participant) -> Any:

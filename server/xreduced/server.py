@@ -28,15 +28,20 @@ from xreduce.wire import lane as lane_frames
 from xreduce.wire.contract import SERVICE_NAME
 
 from xreduced import security
+from xreduced.admission import Admission
 from xreduced.backends import Backend
 from xreduced.config import Config
 from xreduced.decode import CollectiveKey
+from xreduced.devices import DeviceTable
 from xreduced.engine import Engine
 from xreduced.express import Express
-from xreduced.lane import LocalLane, lane_address
-from xreduced.metrics import MetricsServer
+from xreduced.lane import LocalLane, Wakeup, lane_address
+from xreduced.metrics import MetricsServer, Stats
 from xreduced.pipeline import CallPipeline
-from xreduced.service import CrossDeviceOpsService
+from xreduced.prepared import PreparedCalls
+from xreduced.regions import RegionTable
+from xreduced.rendezvous import Rendezvous
+from xreduced.service import CrossDeviceOpsService, default_peers
 
 log = logging.getLogger("xreduced")
 
@@ -114,18 +119,51 @@ class Daemon:
         self.address: str | None = None
         self.metrics: MetricsServer | None = None
         self.lane: LocalLane | None = None
+        """The local lane, once started (it needs the bound address)."""
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
+        # Every part is built here and handed to those that use it (Daemon.stop says who shuts each down).
+        # Two pairs need each other: the rendezvous tells the express lane of a collective that came by the
+        # full path, and the express lane reduces through the service, which meets in the rendezvous; the
+        # service reports the local lane, which serves the service's calls. The part built first gets a
+        # function that asks the other once both exist.
+        engine = Engine(self.backend)
+        devices = DeviceTable(self.backend.devices())
+        self.admission = Admission.from_config(config)
+        self.prepared = PreparedCalls()
+        self.regions = RegionTable(ipc_opener=self.backend.open_ipc if self.backend.cuda_ipc else None,
+                                   max_sessions=max(1, config.workers // 2))
+        self.peers = default_peers(config, devices, self.backend.name)
+        self.stats = Stats(inflight=lambda: self.admission.inflight.value,
+                           collectives_waiting=lambda: self.service.collectives_waiting())
+        self.express: Express | None = None
+        """The express lane (:mod:`xreduced.express`), with a local lane and a ``--lane-express-hold``."""
+        expressing = config.local_lane and config.lane_express_hold > 0
+        self.rendezvous = Rendezvous(report_after=config.stall_warning_seconds,
+                                     arriving=(lambda key: self.express.claim(key)) if expressing else None)
+        self.service = CrossDeviceOpsService(
+            engine, self.backend.name, config.collective_timeout, self.rendezvous, config, self.regions,
+            devices=devices, prepared=self.prepared, admission=self.admission, stats=self.stats, peers=self.peers,
+            held_elsewhere=(lambda: self.express.collectives()) if expressing else lambda: 0,
+            lane=lambda: self.lane)
+        self.pipeline = CallPipeline(self.stats, self.admission, self.regions, self.service.refused,
+                                     gate=security.token_check(config))
+        self._wakeup = Wakeup() if config.local_lane else None
+        """Wakes the local lane's thread: the express lane's calls handed over, the lane closing."""
+        if expressing:
+            service, rendezvous, peers = self.service, self.rendezvous, self.peers
+
+            def busy(key: CollectiveKey, group: str) -> bool:
+                return rendezvous.knows(key) or peers.lookup(group) is not None
+
+            self.express = Express(known=self.prepared.get, reduce=service.express, busy=busy,
+                                   begin=self.pipeline.begin_express, end=self.pipeline.end_express,
+                                   hold=config.lane_express_hold, wake=self._wakeup.wake)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.service = CrossDeviceOpsService(Engine(self.backend), self.backend.name, config.collective_timeout,
-                                             config=config)
-        self.stats = self.service.stats
-        self.pipeline = CallPipeline(self.stats, self.service.admission, self.service.regions,
-                                     self.service.refused, gate=security.token_check(config))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xreduced"),
             interceptors=[self.pipeline],
@@ -192,24 +230,14 @@ class Daemon:
             behavior, request_deserializer=message.FromString, response_serializer=lambda r: r.SerializeToString())
             for name, (message, behavior) in requests.items()}
         assert set(handlers) == set(lane_frames.METHODS)
-        service = self.service
-        express = None
-        if self.config.lane_express_hold > 0:
-            def busy(key: CollectiveKey, group: str) -> bool:
-                return service.rendezvous.knows(key) or service.peers.lookup(group) is not None
-
-            express = Express(known=service.prepared.get, reduce=service.express, busy=busy,
-                              begin=self.pipeline.begin_express, end=self.pipeline.end_express,
-                              hold=self.config.lane_express_hold)
-            service.rendezvous.arriving = express.claim
-            service.held_elsewhere = express.collectives
-        self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, service.regions,
+        # From here on the service offers the lane to sessions and reports it (none can call before the
+        # server starts).
+        self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, self.regions,
                               max_connections=self.config.workers,
-                              protect=lambda path: security.protect_socket(path, self.config), express=express)
+                              protect=lambda path: security.protect_socket(path, self.config), express=self.express,
+                              wakeup=self._wakeup)
         with security.private_files():  # a socket file is never more open than 0600, even for a moment
             self.lane.start()
-        self.service.region_service.local_lane = self.lane.address
-        self.service.lane_counts = self.lane.counts
         self.stats.watch_lane(self.lane.counts, self.lane.express_counts)
 
     def serving_line(self) -> str:
@@ -219,7 +247,9 @@ class Daemon:
                 f"names={devices.listing().replace(' ', '')}")
 
     def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING, then refuse new calls and give in-flight ones ``grace`` seconds."""
+        """NOT_SERVING, then refuse new calls and give in-flight ones ``grace`` seconds; then each part that
+        holds threads, sockets or memory is shut down here. The others (the rendezvous, the express lane,
+        the admission, the prepared shapes, the counters) hold nothing once no call is in flight."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -229,17 +259,19 @@ class Daemon:
         log.info("event=stopping grace_seconds=%g", grace)
         # Sessions are open streams: end them, or every stop would wait out the whole grace; their
         # regions stay mapped for the calls still in flight, and go when those are done.
-        self.service.regions.end_streams()
+        self.regions.end_streams()
         answered = self.pipeline.drain(grace)  # refuses new calls from now on
         if answered:
             time.sleep(max(0.0, min(FLUSH_SECONDS, deadline - time.monotonic())))
         log.debug("event=drained answered=%s", answered)
         if self.lane is not None:
-            self.lane.close()
+            self.lane.close()  # its thread closes the wakeup as it ends
+        elif self._wakeup is not None:
+            self._wakeup.close()
         # Calls still in flight at the end of the grace are cancelled.
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
-        self.service.regions.close_all()
-        self.service.peers.close()
+        self.regions.close_all()
+        self.peers.close()
         if self.metrics is not None:
             self.metrics.stop()
         log.info("event=stopped")

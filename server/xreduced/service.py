@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -26,7 +26,7 @@ from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
-from xreduced import across, decode, peers, planner, streaming
+from xreduced import across, decode, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
@@ -45,9 +45,10 @@ from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFou
 from xreduced.executor import Deadline
 from xreduced.membership import LocalGroups
 from xreduced.metrics import Stats
+from xreduced.peers import Peers
 from xreduced.pipeline import current_call
 from xreduced.prepared import Prepared, PreparedCalls
-from xreduced.region_service import RegionService
+from xreduced.region_service import Lane, RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
@@ -62,6 +63,31 @@ def _version() -> str:
 
 
 VERSION = _version()
+
+
+class LaneStatus(Lane, Protocol):
+    """What the service reports of the local lane (:class:`~xreduced.lane.LocalLane`).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> lane: LaneStatus = SimpleNamespace(address="unix-abstract:lane", counts=lambda: (1, 7))
+        >>> lane.counts()
+        (1, 7)
+    """
+
+    def counts(self) -> tuple[int, int]:
+        """(connections open now, calls served since the start)."""
+
+
+def default_peers(config: Config, devices: DeviceTable, backend_name: str) -> Peers:
+    """The daemon's links to the other nodes' daemons (:class:`~xreduced.peers.Peers`), for ``devices``.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> default_peers(Config(), DeviceTable(NumpyBackend(2).devices()), "numpy").devices
+        ['CPU:0', 'CPU:1']
+    """
+    return Peers(config, [devices.name(i).short for i in range(len(devices))], backend_name)
 
 
 class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
@@ -80,28 +106,37 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
 
     def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = Config.collective_timeout,
                  rendezvous: Rendezvous | None = None, config: Config | None = None,
-                 regions: RegionTable | None = None):
+                 regions: RegionTable | None = None, *, devices: DeviceTable | None = None,
+                 prepared: PreparedCalls | None = None, admission: Admission | None = None,
+                 stats: Stats | None = None, peers: Peers | None = None,
+                 held_elsewhere: Callable[[], int] = lambda: 0, lane: Callable[[], LaneStatus | None] = lambda: None):
+        """Each part not given is built here, for this service alone (the daemon builds them all and passes
+        them in, :class:`~xreduced.server.Daemon`).
+
+        Args:
+            held_elsewhere: how many collectives wait outside the rendezvous now (the express lane's,
+                :meth:`xreduced.express.Express.collectives`).
+            lane: the local lane once it is open (:class:`~xreduced.lane.LocalLane`), or None.
+        """
         self.engine = engine
         self.backend_name = backend_name
-        self.devices = DeviceTable(engine.backend.devices())
+        self.devices = DeviceTable(engine.backend.devices()) if devices is None else devices
         self.collective_timeout = collective_timeout
         self.config = config or Config()
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
-        self.prepared = PreparedCalls()
+        self.prepared = PreparedCalls() if prepared is None else prepared
         """The request shapes validated before (:mod:`xreduced.prepared`)."""
-        self.admission = Admission.from_config(self.config)
-        self.held_elsewhere: Callable[[], int] = lambda: 0
-        """Collectives waiting outside the rendezvous (the express lane's, :mod:`xreduced.express`); the daemon
-        sets it when it opens a lane."""
-        self.stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.collectives_waiting)
+        self.admission = Admission.from_config(self.config) if admission is None else admission
+        self.held_elsewhere = held_elsewhere
+        self.lane = lane
+        if stats is None:
+            stats = Stats(inflight=lambda: self.admission.inflight.value, collectives_waiting=self.collectives_waiting)
+        self.stats = stats
         backend = engine.backend
         self.regions = regions or RegionTable(ipc_opener=backend.open_ipc if backend.cuda_ipc else None,
                                               max_sessions=max(1, self.config.workers // 2))
-        self.region_service = RegionService(self.regions)
-        self.lane_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
-        """(connections, calls) of the local lane; the daemon sets it when it opens one."""
-        self.peers = peers.Peers(self.config, [self.devices.name(i).short for i in range(len(self.devices))],
-                                 backend_name)
+        self.region_service = RegionService(self.regions, lane)
+        self.peers = default_peers(self.config, self.devices, backend_name) if peers is None else peers
         self.regions.on_session_end(self.peers.session_ended)
         self.local_groups = LocalGroups(self.rendezvous.fail_group)
         """Who is in each group of this daemon, tied to their sessions (:mod:`xreduced.membership`)."""
@@ -133,7 +168,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             ('numpy', 2, 1024, False)
         """
         c = self.config
-        lane_connections, lane_calls = self.lane_counts()
+        lane = self.lane()
+        lane_connections, lane_calls = (0, 0) if lane is None else lane.counts()
         return pb.GetStatusResponse(
             version=VERSION,
             backend=self.backend_name,
@@ -155,7 +191,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             mutual_tls=c.tls_client_ca is not None,
             token_auth=c.auth_token_file is not None,
             groups=self.peers.status(),
-            local_lane=self.region_service.local_lane,
+            local_lane="" if lane is None else lane.address,
             local_lane_connections=lane_connections,
             local_lane_calls=lane_calls,
         )
@@ -609,7 +645,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         across_nodes = cluster is not None and cluster.spans_nodes
         if cluster is None and not joining:
             self.local_groups.check(group.key.group, group.label)
-        defer = Deferred() if deferrable and getattr(context, "defers", False) and not across_nodes else None
+        defers = deferrable and getattr(context, "defers", False) and not across_nodes
         try:
             self.admission.collectives.enter(group.key, group.label)
         except LimitExceeded as e:
@@ -623,11 +659,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                               remember_failure=remember_failure,
                               abandoned=cluster.abandoned if across_nodes else None)
             participant = Participant(group.process_id, share, max(deadline.remaining(), 0.0),
-                                      on_leave=context.add_callback, defer=defer)
+                                      on_leave=context.add_callback, defer=defers)
             out = self.rendezvous.run(meeting, participant, compute)
-            if defer is not None and out is defer:
+            if defers and isinstance(out, Deferred):
                 waits = True
-                defer.on_done(lambda *_: self.admission.collectives.leave(group.key))
+                out.on_done(lambda *_: self.admission.collectives.leave(group.key))
             return out
         except ServiceError as e:
             if across_nodes and not cluster.entered(group.sequence):  # the other nodes would wait for this one

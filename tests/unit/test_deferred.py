@@ -20,7 +20,7 @@ def _sum(contributions):
     return {p: sum(contributions.values()) for p in contributions}
 
 
-def _run(r: Rendezvous, key, label, num, pid, value, timeout, compute, on_leave=None, defer=None):
+def _run(r: Rendezvous, key, label, num, pid, value, timeout, compute, on_leave=None, defer=False):
     return r.run(Meeting(key, label, num), Participant(pid, value, timeout, on_leave=on_leave, defer=defer), compute)
 
 
@@ -59,9 +59,8 @@ def test_an_error_passes_through_then_and_a_raising_step_becomes_the_error():
 
 
 def test_wake_goes_to_the_source_of_a_chain_and_stops_once_resolved():
-    source = Deferred()
     woken = []
-    source.wake_at_hook, source.wake_hook = (lambda: 12.5), woken.append
+    source = Deferred(wake_at=lambda: 12.5, wake=woken.append)
     last = source.then(lambda v: v).settle(lambda v, e: v)
     assert last.wake_at() == 12.5
     last.wake(13.0)
@@ -74,8 +73,8 @@ def test_wake_goes_to_the_source_of_a_chain_and_stops_once_resolved():
 
 def test_a_deferred_participant_gets_its_share_from_the_last_arrival_s_thread():
     r = Rendezvous()
-    waiting = Deferred()
-    assert _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting) is waiting and not waiting.done
+    waiting = _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=True)
+    assert isinstance(waiting, Deferred) and not waiting.done
     assert r.pending() == 1
     got = []
     waiting.on_done(lambda value, error: got.append((value, error, threading.current_thread().name)))
@@ -88,9 +87,8 @@ def test_a_deferred_participant_gets_its_share_from_the_last_arrival_s_thread():
 
 def test_a_deferred_participant_times_out_when_woken_at_its_deadline_naming_who_is_missing():
     r = Rendezvous()
-    waiting = Deferred()
-    _run(r, KEY, "collective 0", 3, 0, 1, 0.2, _sum, defer=waiting)
-    _run(r, KEY, "collective 0", 3, 2, 1, 5.0, _sum, defer=Deferred())
+    waiting = _run(r, KEY, "collective 0", 3, 0, 1, 0.2, _sum, defer=True)
+    _run(r, KEY, "collective 0", 3, 2, 1, 5.0, _sum, defer=True)
     start = time.monotonic()
     assert start < waiting.wake_at() <= start + 0.2
     waiting.wake(waiting.wake_at() - 0.1)  # early: nothing happens
@@ -104,16 +102,14 @@ def test_a_deferred_participant_times_out_when_woken_at_its_deadline_naming_who_
 
 def test_a_participant_that_leaves_aborts_the_deferred_ones_and_a_failed_compute_reaches_them():
     r = Rendezvous()
-    waiting = Deferred()
-    _run(r, KEY, "c0", 3, 0, 1, 5.0, _sum, defer=waiting)
+    waiting = _run(r, KEY, "c0", 3, 0, 1, 5.0, _sum, defer=True)
     leave = []
-    _run(r, KEY, "c0", 3, 1, 1, 5.0, _sum, on_leave=leave.append, defer=Deferred())
+    _run(r, KEY, "c0", 3, 1, 1, 5.0, _sum, on_leave=leave.append, defer=True)
     leave[0]()  # process 1's call ended
     assert isinstance(waiting.error, Aborted) and "process 1 left" in str(waiting.error)
 
     other = CollectiveKey("g", 1)
-    waiting = Deferred()
-    _run(r, other, "c1", 2, 0, 1, 5.0, _sum, defer=waiting)
+    waiting = _run(r, other, "c1", 2, 0, 1, 5.0, _sum, defer=True)
 
     def refuse(_):
         raise InvalidArgument("process 1 sent float32[2] but process 0 sent float32[3]")
@@ -125,8 +121,7 @@ def test_a_participant_that_leaves_aborts_the_deferred_ones_and_a_failed_compute
 
 def test_a_deferred_wait_is_reported_when_its_report_is_due(caplog):
     r = Rendezvous(report_after=0.05)
-    waiting = Deferred()
-    _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=waiting)
+    waiting = _run(r, KEY, "c0", 2, 0, 1, 5.0, _sum, defer=True)
     due = waiting.wake_at()
     assert due < time.monotonic() + 1.0  # the report, before the deadline
     with caplog.at_level(logging.WARNING, logger="xreduced.rendezvous"):

@@ -50,8 +50,8 @@ class Harness:
 
         self.express = Express(known=lambda shape: "prepared" if known else None, reduce=reduce,
                                busy=lambda key, group: busy, begin=begin,
-                               end=lambda call, out: self.ended.append((call["pid"], out)), hold=hold)
-        self.express.wake = self.wake
+                               end=lambda call, out: self.ended.append((call["pid"], out)), hold=hold,
+                               wake=self.wake)
 
     def wake(self):
         self.woken += 1

@@ -27,7 +27,7 @@ def _total(contributions):
 
 
 def _run(r: Rendezvous, pid: int, value=1, *, num=2, timeout=5.0, compute=_total, key=KEY, on_leave=None,
-         remember_failure=True, expected=None, abandoned=None, defer=None):
+         remember_failure=True, expected=None, abandoned=None, defer=False):
     """One participant's arrival, every option by name."""
     meeting = Meeting(key, LABEL, num, expected=expected, remember_failure=remember_failure, abandoned=abandoned)
     return r.run(meeting, Participant(pid, value, timeout, on_leave=on_leave, defer=defer), compute)
@@ -280,16 +280,15 @@ def _in_thread(fn, name=None) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def _arrivals(r: Rendezvous) -> threading.Semaphore:
-    """Released once per participant that arrives without completing (the rendezvous's ``arriving`` hook)."""
+def _watched() -> tuple[Rendezvous, threading.Semaphore]:
+    """A rendezvous, and a semaphore released once per participant that arrives there without completing
+    (its ``arriving``)."""
     arrived = threading.Semaphore(0)
-    r.arriving = lambda key: arrived.release()
-    return arrived
+    return Rendezvous(arriving=lambda key: arrived.release()), arrived
 
 
 def test_the_last_arrival_computes_once_in_its_own_thread():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     calls = []
 
     def compute(c):
@@ -310,8 +309,7 @@ def test_the_last_arrival_computes_once_in_its_own_thread():
 
 
 def test_a_waiting_participant_returns_only_once_the_last_one_arrives():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     thread, out = _in_thread(lambda: _run(r, 0, 1))
     assert arrived.acquire(timeout=10)
     assert out == {} and r.pending() == 1
@@ -322,21 +320,20 @@ def test_a_waiting_participant_returns_only_once_the_last_one_arrives():
 
 def test_a_deferred_participant_returns_at_once_and_is_answered_by_the_last_arrival():
     r = Rendezvous()
-    waiting = Deferred()
-    assert _run(r, 0, 1, defer=waiting) is waiting and not waiting.done
+    waiting = _run(r, 0, 1, defer=True)
+    assert isinstance(waiting, Deferred) and not waiting.done
     assert _run(r, 1, 2) == 3
     assert (waiting.value, waiting.error) == (3, None)
 
 
 def test_the_last_arrival_computes_itself_even_when_it_could_defer():
     r = Rendezvous()
-    _run(r, 0, 1, defer=Deferred())
-    assert _run(r, 1, 2, defer=Deferred()) == 3
+    _run(r, 0, 1, defer=True)
+    assert _run(r, 1, 2, defer=True) == 3
 
 
 def test_a_waiter_whose_reduction_overruns_is_told_it_did_not_finish():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     computing, release = threading.Event(), threading.Event()
 
     def slow(c):
@@ -358,8 +355,7 @@ def test_a_waiter_whose_reduction_overruns_is_told_it_did_not_finish():
 
 def test_a_deferred_participant_whose_reduction_overruns_is_told_at_its_wake():
     r = Rendezvous()
-    waiting = Deferred()
-    _run(r, 0, timeout=0.05, defer=waiting)
+    waiting = _run(r, 0, timeout=0.05, defer=True)
     computing, release = threading.Event(), threading.Event()
 
     def slow(c):
@@ -393,35 +389,29 @@ def test_a_participant_whose_call_has_already_ended_leaves_at_once():
 def test_leaving_once_everyone_has_arrived_changes_nothing():
     r = Rendezvous()
     leave = []
-    waiting = Deferred()
-    _run(r, 0, on_leave=leave.append, defer=waiting)
+    waiting = _run(r, 0, on_leave=leave.append, defer=True)
     assert _run(r, 1, 2) == 3
     leave[0]()  # the call ends after its collective completed
     assert waiting.value == 3 and r.remembered_failures() == 0
 
 
 def test_a_deferred_participant_that_leaves_aborts_the_waiting_thread():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     leave = []
     thread, out = _in_thread(lambda: _run(r, 0, num=3))
     assert arrived.acquire(timeout=10)
-    _run(r, 1, num=3, on_leave=leave.append, defer=Deferred())
+    _run(r, 1, num=3, on_leave=leave.append, defer=True)
     leave[0]()
     thread.join(10)
     assert isinstance(out["out"], Aborted) and out["out"].process_ids == (1,)
 
 
 def test_fail_group_reaches_threads_and_deferred_participants_but_not_the_join():
-    r = Rendezvous()
-    arrived = _arrivals(r)
-    waiting = Deferred()
-    _run(r, 0, defer=waiting)
+    r, arrived = _watched()
+    waiting = _run(r, 0, defer=True)
     thread, out = _in_thread(lambda: _run(r, 0, key=CollectiveKey("g", 1)))
-    join = Deferred()
-    _run(r, 0, key=CollectiveKey("g", name="join"), defer=join)
-    other = Deferred()
-    _run(r, 0, key=CollectiveKey("h", 0), defer=other)
+    join = _run(r, 0, key=CollectiveKey("g", name="join"), defer=True)
+    other = _run(r, 0, key=CollectiveKey("h", 0), defer=True)
     for _ in range(4):
         assert arrived.acquire(timeout=10)
     error = Aborted("process 1 died")
@@ -446,8 +436,7 @@ def test_a_failure_is_remembered_for_late_arrivals_until_its_group_is_forgotten(
         _run(r, 0)
     r.forget_failures("g")
     assert r.remembered_failures() == 0
-    waiting = Deferred()
-    _run(r, 0, defer=waiting)  # a new collective of that key starts afresh
+    waiting = _run(r, 0, defer=True)  # a new collective of that key starts afresh
     assert _run(r, 1, 2) == 3 and waiting.value == 3
 
 
@@ -456,14 +445,12 @@ def test_a_failure_not_to_remember_leaves_nothing_for_late_arrivals():
     with pytest.raises(DeadlineExceeded):
         _run(r, 0, timeout=0.01, remember_failure=False)
     assert r.remembered_failures() == 0 and r.pending() == 0
-    waiting = Deferred()
-    _run(r, 0, defer=waiting, remember_failure=False)
+    waiting = _run(r, 0, defer=True, remember_failure=False)
     assert _run(r, 1, 2, remember_failure=False) == 3 and waiting.value == 3
 
 
 def test_an_abandoned_collective_fails_its_waiters_and_is_remembered():
-    r = Rendezvous()
-    arrived = _arrivals(r)
+    r, arrived = _watched()
     over = threading.Event()
 
     def abandoned():
@@ -485,11 +472,21 @@ def test_an_abandoned_collective_fails_its_waiters_and_is_remembered():
 
 def test_a_process_not_expected_here_is_refused_and_the_others_go_on():
     r = Rendezvous()
-    waiting = Deferred()
-    _run(r, 2, 1, num=4, expected=frozenset({0, 2}), defer=waiting)
+    waiting = _run(r, 2, 1, num=4, expected=frozenset({0, 2}), defer=True)
     with pytest.raises(InvalidArgument) as refused:
         _run(r, 1, num=4, expected=frozenset({0, 2}))
     assert str(refused.value) == (f"process 1 is not one of this node's processes [0, 2] for {LABEL}; each process "
                                   "must call its own node's daemon (the one it joined the group through)")
     assert not waiting.done
     assert _run(r, 0, 2, num=4, expected=frozenset({0, 2})) == 3 and waiting.value == 3
+
+
+def test_a_process_not_expected_here_arriving_first_leaves_nothing_waiting():
+    r = Rendezvous()
+    with pytest.raises(InvalidArgument, match="process 1 is not one of this node's processes"):
+        _run(r, 1, num=4, expected=frozenset({0, 2}))
+    assert r.pending() == 0
+    with pytest.raises(InvalidArgument, match="process 1 is not one of this node's processes"):
+        _run(r, 1, num=3, expected=frozenset({0, 2}))  # not a disagreement with a collective nobody joined
+    waiting = _run(r, 2, 1, num=3, expected=frozenset({0, 2}), defer=True)
+    assert _run(r, 0, 2, num=3, expected=frozenset({0, 2})) == 3 and waiting.value == 3
