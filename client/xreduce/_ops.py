@@ -266,6 +266,10 @@ class CrossDeviceOps:
                 does not reduce (see ``xreduce.SUPPORTED_DTYPES``), before
                 anything is sent; :class:`xreduce.XReduceError` for what the
                 daemon rejects.
+            xreduce.InvalidArgumentError: in a multi-process job, a device
+                (of the value or a destination) that is another process's;
+                the message says whose and lists this process's
+                (:mod:`xreduce._job_devices`). The collective fails in every process.
 
         Example:
             >>> import numpy as np, xreduce

@@ -120,9 +120,10 @@ class MirroredStrategy:
     """Synchronous data parallelism over the daemon's devices (TF's ``MirroredStrategy``).
 
     Args:
-        devices: device names (any DeviceSpec form); default every daemon
-            device, or in a multi-process job (``xreduce.distribution.initialize``)
-            this process's devices.
+        devices: device names (any form the SDK gives out: ``cpu:4``, any
+            DeviceSpec spelling, ``/job:worker/replica:0/task:P/device:CPU:i``);
+            default every daemon device, or in a multi-process job
+            (``xreduce.distribution.initialize``) this process's devices.
         cross_device_ops: default ``HierarchicalCopyAllReduce()``.
         address: the daemon, when ``cross_device_ops`` is not given.
         token: the daemon's bearer token, when ``cross_device_ops`` is not
@@ -136,8 +137,10 @@ class MirroredStrategy:
     Raises:
         ValueError: ``devices`` is empty or names a device twice.
         xreduce.NotFoundError: at the first ``run``, ``reduce`` or value made
-            (not at construction), ``devices`` names a device the daemon does
-            not have; the message lists the daemon's devices.
+            (not at construction), ``devices`` names a device the daemon (in a
+            multi-process job, the job) does not have; the message lists them.
+        xreduce.InvalidArgumentError: likewise, in a multi-process job,
+            ``devices`` names another process's device; the message says whose.
 
     Example:
         >>> import numpy as np, xreduce
