@@ -13,6 +13,7 @@ HOST_WIDE = frozenset({
     "tests/multinode/test_multinode_bench.py",  # network namespaces, shaped links: measured alone
     "tests/multinode/test_netns_harness.py",  # sweeps leftover namespaces
     "tests/multinode/test_seed_cluster.py",  # namespaces at the seed's addresses
+    "tests/multinode/test_nodes_names.py",  # namespaces at the seed's addresses
     "tests/multinode/test_tf_nodes.py",  # namespaces at the seed's addresses
 })
 """Test modules that use something of the whole host (a fixed port, Docker, network namespaces): under

@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,8 @@ class Worker:
     Steps (``op`` and its fields):
 
     * ``init``: ``xreduce.distribution.initialize()`` from the environment; returns the
-      :class:`~xreduce.distribution.ProcessInfo` fields and ``list_devices()``;
+      :class:`~xreduce.distribution.ProcessInfo` fields, ``list_devices()``, ``worker_devices`` (the job's
+      names of this process's devices) and ``daemon_devices`` (the same devices as its daemon names them);
     * ``shutdown``: ``xreduce.distribution.shutdown()``;
     * ``barrier``: waits for a line on stdin (the launcher says go);
     * ``reduce``: ``HierarchicalCopyAllReduce(num_packs).reduce`` (``call: "reduce"``) or
@@ -144,7 +146,9 @@ class Worker:
     * ``strategy``: ``MirroredStrategy.run`` makes ``[replica_id + 1, num_replicas]`` on each
       replica and ``strategy.reduce(reduce_op)`` combines them;
     * ``data_parallel``: ``DataParallel().all_reduce_gradients`` of ``[replica_id + 1]`` per replica;
-    * ``local``: a single-process reduce over the daemon's devices, outside any group.
+    * ``local``: a single-process reduce over the daemon's devices, outside any group;
+    * ``names``: reductions with this process's devices named in each form the SDK gives out, and with
+      another process's device (see :meth:`Worker.names`).
     """
 
     def __init__(self):
@@ -160,7 +164,7 @@ class Worker:
         return [info.devices.index(d) for d in info.local_devices]
 
     def _local(self) -> list[str]:
-        """This process's devices, as its daemon names them (what its calls send)."""
+        """This process's devices, the job's names (``worker_devices``), which its calls name and results carry."""
         from xreduce.distribute import MirroredStrategy
 
         return list(MirroredStrategy().extended.worker_devices)
@@ -171,13 +175,16 @@ class Worker:
 
     def init(self, step: dict) -> dict:
         from xreduce import distribution
+        from xreduce._keras_devices import current_group
 
         info = distribution.initialize()
+        group = current_group()
         return {"process_id": info.process_id, "epoch": info.epoch, "group": info.group,
                 "node_index": info.node_index, "num_nodes": info.num_nodes, "engine": info.engine,
                 "devices": list(info.devices), "local_devices": list(info.local_devices),
                 "list_devices": distribution.list_devices(), "replicas": self._replicas(),
-                "daemon_devices": self._local()}
+                "worker_devices": self._local(),
+                "daemon_devices": list(group.local_devices) if group is not None else self._local()}
 
     def shutdown(self, step: dict) -> None:
         from xreduce import distribution
@@ -239,16 +246,19 @@ class Worker:
             finally:
                 ops.close()
         # The SDK's broadcast sends from process 0; the RPC takes any source process, in the group's
-        # next collective (the SDK's runtime numbers them).
-        spec = process_group().next_spec()
-        request = pb.BroadcastRequest(destinations=local, collective=spec, source_process=source)
+        # next collective (the SDK's runtime numbers them), and the devices as the daemon names them.
+        group = process_group()
+        spec = group.next_spec()
+        request = pb.BroadcastRequest(destinations=group.local_devices, collective=spec, source_process=source)
         if mine is not None:
             request.tensor.CopyFrom(codec.encode(mine))
-            request.source_device = local[0]
+            request.source_device = group.local_devices[0]
         with Client() as client:
             self.calling("broadcast")
             reply = client.broadcast(request)
-        return [{"device": c.device, **encode(codec.decode(c.tensor))} for c in reply.result.components]
+        named = dict(zip(group.local_devices, local))
+        return [{"device": named.get(c.device, c.device), **encode(codec.decode(c.tensor))}
+                for c in reply.result.components]
 
     def local(self, step: dict) -> list[dict]:
         """A single-process reduce of ``[i + 1] * 3`` on each device ``i`` of the daemon (no group)."""
@@ -290,6 +300,63 @@ class Worker:
         self.calling("data_parallel")
         out = dp.all_reduce_gradients(grads, step.get("reduce_op", "mean"))
         return {"mesh": devices, "reduced": _components(out, devices, False)}
+
+    def names(self, step: dict) -> dict[str, dict]:
+        """Reduces this process's replicas (``[replica + 1.0]`` each) with its devices named in every form
+        the SDK gives out, one collective per check, and names another process's device; per check, the
+        outcome (``ok``, the result's ``devices`` and ``values``, or ``error`` and ``message``)."""
+        from xreduce import distribution
+        from xreduce.distribute import (
+            DistributedValues,
+            HierarchicalCopyAllReduce,
+            MirroredStrategy,
+            PerReplica,
+            ReductionToOneDevice,
+        )
+        from xreduce.wire.devices import DeviceName
+
+        info = distribution.process_info()
+        local = list(info.local_devices)
+        forms = {
+            "local_devices": local,
+            "list_devices": [d for d in distribution.list_devices() if d in local],
+            "canonical": [DeviceName.parse(d).canonical for d in local],
+            "worker_devices": list(MirroredStrategy().extended.worker_devices),
+            "distribute_batch": list(distribution.DataParallel().distribute_batch(np.zeros((len(local), 1))).devices),
+            "task": [f"/job:worker/replica:0/task:{info.process_id}/device:CPU:{i}" for i in range(len(local))],
+        }
+        other = (info.process_id + 1) % info.num_processes
+        theirs = info.devices[info.devices.index(local[0]) + len(local)] if other else info.devices[0]
+        ops = HierarchicalCopyAllReduce()
+        to_one = ReductionToOneDevice(reduce_to_device=info.devices[0])
+
+        def value(names: list[str]) -> PerReplica:
+            return PerReplica([np.array([r + 1.0]) for r in self._replicas()], devices=names)
+
+        checks: dict[str, Callable[[], Any]] = {
+            **{form: (lambda n=names: ops.reduce("SUM", value(n), value(n))) for form, names in forms.items()},
+            "to_task": lambda: ops.batch_reduce("SUM", [(value(local), forms["task"])])[0],
+            "reduce_to_device": lambda: to_one.reduce("SUM", value(forms["task"]), forms["worker_devices"]),
+            "broadcast": lambda: ops.broadcast(np.array([7.0]) if info.process_id == 0 else None, forms["task"]),
+            "other": lambda: ops.reduce("SUM", value([f"/job:worker/replica:0/task:{other}/device:CPU:0"]
+                                                     + local[1:]), local),
+            "other_keras": lambda: ops.reduce("SUM", value(local), [theirs]),
+        }
+        out = {}
+        try:
+            for name, check in checks.items():
+                try:
+                    result = check()
+                except Exception as e:
+                    out[name] = {"ok": False, "error": type(e).__name__, "message": str(e)}
+                    continue
+                values = result.values if isinstance(result, DistributedValues) else (result,)
+                devices = result.devices if isinstance(result, DistributedValues) else ()
+                out[name] = {"ok": True, "devices": list(devices), "values": [np.asarray(v).tolist() for v in values]}
+        finally:
+            ops.close()
+            to_one.close()
+        return out
 
     def run(self, steps: list[dict]) -> None:
         """Runs ``steps`` in order, each reported as an event; a failed step stops the script if it says

@@ -16,6 +16,7 @@ import grpc
 from xreduce import _stall
 from xreduce._client import Client
 from xreduce._errors import DeadlineExceededError, UnavailableError, XReduceError
+from xreduce._job_devices import job_devices, keras_names
 from xreduce._runtime import ProcessGroup, process_group, set_process_group
 from xreduce._session import Session
 from xreduce.v1 import xreduce_pb2 as pb
@@ -66,33 +67,6 @@ def _select(by_type: dict[str, list[str]], device_type: Any, address: str) -> li
             f"device types present: {present}"
         )
     return list(by_type[kind])
-
-
-def keras_names(names: Sequence[str]) -> list[str]:
-    """Canonical device names in the keras form, unique across the nodes of a group.
-
-    Names of one task keep their index, ``gpu:3``; a list whose names span
-    several tasks (a group across nodes, task ``T`` being node ``T``) numbers
-    each device type by its position in the list, as JAX numbers its global
-    devices, so that no two nodes' devices share a name.
-
-    Example:
-        >>> keras_names(["/job:localhost/replica:0/task:0/device:CPU:2", "/device:GPU:0"])
-        ['cpu:2', 'gpu:0']
-        >>> keras_names(["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:1",
-        ...              "/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:1"])
-        ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
-    """
-    parsed = [DeviceName.parse(n) for n in names]
-    if len({d.task for d in parsed}) <= 1:
-        return [d.keras for d in parsed]
-    seen: dict[str, int] = {}
-    out = []
-    for d in parsed:
-        kind = d.device_type.lower()
-        out.append(f"{kind}:{seen.get(kind, 0)}")
-        seen[kind] = seen.get(kind, 0) + 1
-    return out
 
 
 def list_devices(device_type: str | None = None) -> list[str]:
@@ -159,7 +133,9 @@ class ProcessInfo:
         daemon_address: the xreduce daemon this process checked at initialization.
         devices: the job's devices, keras form: the daemon's, or with several
             processes every process's devices, process 0's first.
-        local_devices: this process's devices, keras form (their names in ``devices``).
+        local_devices: this process's devices, keras form (their names in ``devices``):
+            the job's names, which every device argument of the SDK takes and which mean
+            the same device in every process (see docs/sdk.md, "Device names").
         group: the group id every collective names, or None for one process:
             ``XREDUCE_GROUP`` (default ``default``), and with job addresses the
             coordinator's too, e.g. ``default@10.0.0.1:1234``.
@@ -385,12 +361,10 @@ class DistributionState:
                 self._info = ProcessInfo(pid, count, addresses, daemon, devices, devices)
                 return self._info
             group = self._group = self._join(count, pid, addresses[0] if addresses else "")
-            keras = keras_names(group.global_devices)
-            if group.num_nodes > 1:
-                local = keras[group.replica_offset:group.replica_offset + len(group.local_devices)]
-            else:
-                local = [DeviceName.parse(d).keras for d in group.local_devices]
-            self._info = ProcessInfo(pid, count, addresses, daemon, tuple(keras), tuple(local), group.group,
+            job = job_devices(group)
+            keras = tuple(d.keras for d in job.devices)
+            local = tuple(DeviceName.parse(n).keras for n in job.mine)
+            self._info = ProcessInfo(pid, count, addresses, daemon, keras, local, group.group,
                                      group.node_index, group.num_nodes, group.epoch, group.engine)
             return self._info
 

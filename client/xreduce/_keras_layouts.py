@@ -17,6 +17,7 @@ import numpy as np
 
 from xreduce import _keras_devices
 from xreduce._input import Rows, batch_rows, elements, fill, map_structure, split_sizes
+from xreduce._job_devices import job_devices
 from xreduce._keras_devices import list_devices, process_info
 from xreduce._ops import CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp
 from xreduce._values import DistributedValues, PerReplica
@@ -436,14 +437,16 @@ class DataParallel(Distribution):
 
     def _replica_devices(self) -> list[str]:
         """The mesh's devices this process drives: all of them alone; after a multi-process
-        :func:`initialize`, its own (named as its daemon knows them), each process feeding its own."""
+        :func:`initialize`, its own (the job's names), each process feeding its own."""
         devices = self.device_mesh.devices.ravel().tolist()
-        local = _local_names()
-        if local is None:
+        group = _keras_devices.current_group()
+        if group is None:
             return devices
-        mine = [local[d] for d in devices if d in local]
+        job = job_devices(group)
+        mine = [d for i, d in enumerate(devices) if job.find(d, f"mesh.devices[{i}]").process_id == group.process_id]
         if not mine:
-            raise ValueError(f"the mesh's devices {devices} hold none of this process's devices {list(local)}")
+            raise ValueError(f"the mesh's devices {devices} hold none of this process's devices "
+                             f"{[DeviceName.parse(d).keras for d in job.mine]}")
         return mine
 
     def distribute_dataset(self, dataset: Any) -> Any:
@@ -585,19 +588,3 @@ class DataParallel(Distribution):
     def __repr__(self) -> str:
         mesh = self._device_mesh if self._device_mesh is not None else "<every device of list_devices()>"
         return f"<{type(self).__name__} device_mesh={mesh}, batch_dim_name={self._batch_dim_name!r}>"
-
-
-def _local_names() -> dict[str, str] | None:
-    """This process's devices after a multi-process :func:`initialize`: keras name in the job's list ->
-    the name its daemon knows; None for a single process.
-
-    Example:
-        >>> _local_names() is None  # not initialized: one process drives every device
-        True
-    """
-    info = process_info()
-    group = _keras_devices.current_group()
-    if info is None or group is None or not info.is_multi_process:
-        return None
-    return dict(zip(info.local_devices, group.local_devices))
-

@@ -12,13 +12,15 @@ to TF's fallback, ReductionToOneDevice (:mod:`xreduced.backends.nccl` sums).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from xreduce._call import Algorithm
-from xreduce._errors import InvalidArgumentError
+from xreduce._errors import InvalidArgumentError, XReduceError
+from xreduce._job_devices import to_daemon
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, ReduceOp, checked_num_packs
 from xreduce._options import ConnectionOptions
 from xreduce._values import DistributedValues
@@ -92,10 +94,13 @@ class NcclAllReduce(CrossDeviceOps):
 
     def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
                options: CommunicationOptions | None, single: bool) -> list[Any]:
-        names = self._local_names(self._group())
+        group = self._group()
+        names = self._local_names(group)
         used = []
         for value, destinations in pairs:
-            used += list(value._resolve_devices(names)) + self._destination_names(destinations, names)
+            for name in list(value._resolve_devices(names)) + self._destination_names(destinations, names):
+                with contextlib.suppress(ValueError, XReduceError):  # the collective refuses it, for every process
+                    used.append(to_daemon(name, group, "devices"))
         refusal = nccl_refusal(self.client.list_devices(), list(dict.fromkeys(used)))
         if refusal is not None:
             raise InvalidArgumentError(refusal, grpc.StatusCode.INVALID_ARGUMENT)

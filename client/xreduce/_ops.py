@@ -12,6 +12,7 @@ The reduction itself runs in the daemon, whose errors arrive as
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import numbers
 from collections.abc import Callable, Sequence
@@ -23,9 +24,10 @@ from xreduce import _sparse, _transports
 from xreduce._arrays import check_dtype, device_of, is_tensor, to_host
 from xreduce._call import Algorithm, BroadcastCall, Pair, ReduceCall
 from xreduce._client import Client
+from xreduce._job_devices import DaemonName, job_devices, reduce_to, to_daemon
 from xreduce._options import ConnectionOptions, merge
 from xreduce._runtime import ProcessGroup, process_group
-from xreduce._values import DistributedValues, PerReplica
+from xreduce._values import DistributedValues, Mirrored, PerReplica
 from xreduce.wire.contract import mean_dtype
 from xreduce.wire.devices import canonical
 
@@ -196,7 +198,9 @@ def _as_per_replica(value: Any, argument: str) -> DistributedValues:
             _sparse.check_component(component, f"{argument}.values[{i}]")
         dense = _sparse.uniform(value.values)
         if dense is not None:
-            return type(value)(dense, devices=value._devices)
+            out = type(value)(dense, devices=value._devices)
+            out._devices = value._devices  # as they were: an array's own device stays one
+            return out
         return value
     _sparse.check_component(value, argument)
     return PerReplica((value,))
@@ -273,6 +277,10 @@ class CrossDeviceOps:
                 does not reduce (see ``xreduce.SUPPORTED_DTYPES``), before
                 anything is sent; :class:`xreduce.XReduceError` for what the
                 daemon rejects.
+            xreduce.InvalidArgumentError: in a multi-process job, a device
+                (of the value or a destination) that is another process's;
+                the message says whose and lists this process's
+                (:mod:`xreduce._job_devices`). The collective fails in every process.
 
         Example:
             >>> import numpy as np, xreduce
@@ -341,27 +349,32 @@ class CrossDeviceOps:
             restore = host.restore
             if source:
                 array = host.array
-                source_device = canonical(host.device) if host.device else names[0]
+                source_device = DaemonName(canonical(host.device)) if host.device else names[0]
         with _transports.collective(self._client, group) as spec:
-            call = BroadcastCall(array, restore, source_device, dests, spec)
-            return _transports.choose(self._client, call).broadcast(call)
+            wire = tuple(to_daemon(d, group, _field("destinations", destinations, i)) for i, d in enumerate(dests))
+            if source_device:
+                source_device = to_daemon(source_device, group, "tensor.device")
+            call = BroadcastCall(array, restore, source_device, wire, spec)
+            result = _transports.choose(self._client, call).broadcast(call)
+        return _relabel(result, dict(zip(wire, dests)))
 
     def _local_names(self, group: ProcessGroup | None) -> Sequence[str]:
-        """This process's devices: all the daemon's, or its share in a multi-process job.
+        """This process's devices: all the daemon's, or its share in a multi-process job (the job's names).
 
         Fetched only if a value or destination needs them: a collective whose
         devices are all named fails fast when the daemon is down.
         """
-        return _Lazy(lambda: group.local_devices if group is not None else self._client.device_names())
+        return _Lazy(lambda: job_devices(group).mine if group is not None else self._client.device_names())
 
     def _destination_names(self, destinations: Any, names: Sequence[str]) -> list[str]:
+        """The destinations as the caller named them, canonical (an array's own device as a ``DaemonName``)."""
         if isinstance(destinations, DistributedValues):
             return list(destinations._resolve_devices(names))
         if isinstance(destinations, str):
             return [canonical(destinations)]
         if is_tensor(destinations):
             device = device_of(destinations)
-            return [canonical(device) if device else names[0]]
+            return [DaemonName(canonical(device)) if device else names[0]]
         return [canonical(d) for d in destinations]
 
     def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
@@ -371,50 +384,94 @@ class CrossDeviceOps:
         if not pairs and group is None:
             return []
         names = self._local_names(group)
-        resolved = tuple(Pair(value, tuple(value._resolve_devices(names)), tuple(self._destination_names(dest, names)))
-                         for value, dest in pairs)
-        accumulate = self._accumulate()
-        if accumulate is not None:
-            if group is not None:
+        given = tuple(Pair(value, tuple(value._resolve_devices(names)), tuple(self._destination_names(dest, names)))
+                      for value, dest in pairs)
+        fields = [_pair_fields(dest, k, single) for k, (_, dest) in enumerate(pairs)]
+        if group is not None:
+            if self._accumulate() is not None:
                 raise ValueError("accumulation_fn runs in one process; it cannot reduce across the processes "
                                  f"of group {group.group!r}")
-            return self._accumulated_batch(op, accumulate, resolved, options, single)
+            return self._send(op, given, fields, options, group, single)
+        wire = tuple(_to_daemon(p, f, None) for p, f in zip(given, fields))
+        accumulate = self._accumulate()
+        if accumulate is not None:
+            return self._accumulated_batch(op, accumulate, given, wire, fields, options, single)
         # TF's shortcut: one replica whose destinations are its own device (never across processes).
-        first = set(resolved[0].devices) if resolved else set()
-        if group is None and len(first) == 1 and all(set(p.devices) == set(p.destinations) == first
-                                                     for p in resolved):
-            return [_regroup_local(p.value) for p in resolved]
-        return self._send(op, resolved, options, group, single)
+        first = set(wire[0].devices) if wire else set()
+        if len(first) == 1 and all(set(p.devices) == set(p.destinations) == first for p in wire):
+            return [_regroup_local(p.value) for p in wire]
+        return self._send(op, given, fields, options, None, single)
 
-    def _send(self, op: ReduceOp, resolved: tuple[Pair, ...], options: CommunicationOptions,
-              group: ProcessGroup | None, single: bool) -> list[Any]:
+    def _send(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]],
+              options: CommunicationOptions, group: ProcessGroup | None, single: bool) -> list[Any]:
+        """The pairs as the caller named them reduced: their devices mapped to the daemon's names inside the
+        collective (a refused name fails it for every process), the results named as the caller named them."""
         algorithm = self._algorithm()
         with _transports.collective(self._client, group) as spec:
-            call = ReduceCall(op.value, resolved, algorithm, options.timeout_seconds, spec, single)
-            return _transports.choose(self._client, call).reduce(call)
+            wire = tuple(_to_daemon(p, f, group) for p, f in zip(given, fields))
+            if algorithm.reduce_to_device:
+                algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device,
+                                                                                        group))
+            call = ReduceCall(op.value, wire, algorithm, options.timeout_seconds, spec, single)
+            results = _transports.choose(self._client, call).reduce(call)
+        return [_relabel(r, dict(zip(w.destinations, p.destinations))) for r, w, p in zip(results, wire, given)]
 
-    def _accumulated_batch(self, op: ReduceOp, accumulate: Callable, resolved: tuple[Pair, ...],
-                           options: CommunicationOptions, single: bool) -> list[Any]:
+    def _accumulated_batch(self, op: ReduceOp, accumulate: Callable, given: tuple[Pair, ...], wire: tuple[Pair, ...],
+                           fields: list[tuple[str, str]], options: CommunicationOptions, single: bool) -> list[Any]:
         """Dense pairs through ``accumulation_fn``; sparse ones concatenated by the daemon, as TF's
         ``aggregate_tensors_or_indexed_slices`` ignores ``accumulation_fn`` for them."""
-        sparse = [i for i, p in enumerate(resolved) if _sparse.is_sparse(p.value.values)]
-        concatenated = iter(self._send(op, tuple(resolved[i] for i in sparse), options, None, single)
-                            if sparse else ())
-        return [next(concatenated) if i in sparse else self._accumulated(op, accumulate, pair)
-                for i, pair in enumerate(resolved)]
+        sparse = [i for i, p in enumerate(given) if _sparse.is_sparse(p.value.values)]
+        concatenated = iter(self._send(op, tuple(given[i] for i in sparse), [fields[i] for i in sparse], options, None,
+                                       single) if sparse else ())
+        return [next(concatenated) if i in sparse else self._accumulated(op, accumulate, w, p)
+                for i, (w, p) in enumerate(zip(wire, given))]
 
-    def _accumulated(self, op: ReduceOp, accumulate: Callable, pair: Pair) -> Any:
+    def _accumulated(self, op: ReduceOp, accumulate: Callable, pair: Pair, given: Pair) -> Any:
         """``accumulation_fn`` over host copies of the value, here; the total broadcast to the destinations."""
         hosts = pair.value.hosts()
         total = np.asarray(accumulate([h.array for h in hosts]))
         if op is ReduceOp.MEAN:
             total = _mean(total, len(hosts))
         call = BroadcastCall(total, hosts[0].restore, pair.destinations[0], pair.destinations)
-        return _transports.choose(self._client, call).broadcast(call)
+        result = _transports.choose(self._client, call).broadcast(call)
+        return _relabel(result, dict(zip(pair.destinations, given.destinations)))
 
     def close(self) -> None:
         """Closes the connection to the daemon."""
         self._client.close()
+
+
+def _pair_fields(destinations: Any, k: int, single: bool) -> tuple[str, str]:
+    """How the messages name pair ``k``'s value devices and destinations (a ``str.format`` of the index)."""
+    value = "per_replica_value" if single else f"value_destination_pairs[{k}][0]"
+    dests = "destinations" if single else f"value_destination_pairs[{k}][1]"
+    return f"{value}.devices[{{}}]", _field(dests, destinations, None)
+
+
+def _field(name: str, destinations: Any, i: int | None) -> str:
+    """``name`` of destination ``i`` (``{}`` for it when None): the string itself, or its ``[i]``."""
+    if isinstance(destinations, str) or is_tensor(destinations):
+        return name
+    if isinstance(destinations, DistributedValues):
+        name += ".devices"
+    return f"{name}[{'{}' if i is None else i}]"
+
+
+def _to_daemon(pair: Pair, fields: tuple[str, str], group: ProcessGroup | None) -> Pair:
+    """``pair`` with every device named as this process's daemon names it (see :mod:`xreduce._job_devices`)."""
+    value, dests = fields
+    return Pair(pair.value, tuple(to_daemon(d, group, value.format(i)) for i, d in enumerate(pair.devices)),
+                tuple(to_daemon(d, group, dests.format(i)) for i, d in enumerate(pair.destinations)))
+
+
+def _relabel(result: Any, names: dict[str, str]) -> Any:
+    """A result over several devices named as the caller named its destinations (``names``: the daemon's
+    name -> the caller's)."""
+    if not isinstance(result, DistributedValues) or all(names.get(d, d) == d for d in result.devices):
+        return result
+    out = Mirrored(result.values, devices=[names.get(d, d) for d in result.devices])
+    out._devices = tuple(names.get(d, d) for d in result.devices)  # an array's own device stays one
+    return out
 
 
 def _mean(total: np.ndarray, n: int) -> np.ndarray:

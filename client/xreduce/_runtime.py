@@ -49,7 +49,8 @@ class ProcessGroup:
     Attributes:
         group: the group id collectives name (with a coordinator, the
             daemon's, e.g. ``default@10.0.0.1:1234``).
-        local_devices: this process's devices, canonical names of its own daemon.
+        local_devices: this process's devices, canonical names of its own daemon
+            (what requests carry; the SDK gives out the job's names, :mod:`xreduce._job_devices`).
         global_devices: every process's devices, process 0's first; across
             nodes, task ``T`` names node ``T``'s devices.
         epoch: the membership epoch (0 for a group of one daemon).
@@ -57,6 +58,7 @@ class ProcessGroup:
         node_index: this process's node in ``nodes``.
         engine: what carries bytes between nodes (``"gloo"``), or empty.
         replica_offset: this process's first device's position in ``global_devices``.
+        shares: every process's device count, by process id (how ``global_devices`` splits).
 
     Example:
         >>> pg = ProcessGroup("train", 2, 1, ("/cpu:1",), ("/cpu:0", "/cpu:1"))
@@ -78,6 +80,7 @@ class ProcessGroup:
     node_index: int = 0
     engine: str = ""
     replica_offset: int = 0
+    shares: tuple[int, ...] = ()
     _counter: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -94,16 +97,17 @@ class ProcessGroup:
             ...     epoch=1, group="default@10.0.0.1:1234", node_index=1, engine="gloo",
             ...     nodes=[pb.ClusterNode(index=0), pb.ClusterNode(index=1)])
             >>> pg = ProcessGroup.from_reply("default", 2, 1, reply)
-            >>> pg.group, pg.epoch, pg.node_index, len(pg.nodes), pg.engine, pg.replica_offset
-            ('default@10.0.0.1:1234', 1, 1, 2, 'gloo', 2)
+            >>> pg.group, pg.epoch, pg.node_index, len(pg.nodes), pg.engine, pg.replica_offset, pg.shares
+            ('default@10.0.0.1:1234', 1, 1, 2, 'gloo', 2, (2, 1))
         """
         # The global list is every process's devices in process order: this process's come after
         # those of every lower process id. (Names cannot locate them: across nodes the local names
         # are this daemon's, task 0, and repeat another node's.)
         offset = sum(len(p.devices) for p in reply.processes if p.process_id < process_id)
+        shares = tuple(len(p.devices) for p in sorted(reply.processes, key=lambda p: p.process_id))
         return cls(reply.group or name, num_processes, process_id, tuple(reply.local_devices),
                    tuple(reply.global_devices), epoch=reply.epoch, nodes=tuple(reply.nodes),
-                   node_index=reply.node_index, engine=reply.engine, replica_offset=offset)
+                   node_index=reply.node_index, engine=reply.engine, replica_offset=offset, shares=shares)
 
     @property
     def num_nodes(self) -> int:

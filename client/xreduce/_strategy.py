@@ -18,6 +18,7 @@ import numpy as np
 from xreduce import _gather, _input
 from xreduce._contexts import ReplicaContext, ValueContext, entered, in_replica_context_of_a_strategy
 from xreduce._errors import NotFoundError
+from xreduce._job_devices import job_devices, to_daemon
 from xreduce._ops import CommunicationOptions, CrossDeviceOps, HierarchicalCopyAllReduce, ReduceOp, _mean
 from xreduce._replicas import Meeting, regroup, select_replica
 from xreduce._runtime import ProcessGroup, process_group
@@ -51,7 +52,8 @@ class MirroredExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """This process's devices of the strategy, canonical names (not checked against the daemon's)."""
+        """This process's devices of the strategy, canonical names (not checked against the daemon's): in a
+        multi-process job, the job's names (``process_info().local_devices``), the same on every node."""
         return self._strategy._devices()
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
@@ -118,9 +120,10 @@ class MirroredStrategy:
     """Synchronous data parallelism over the daemon's devices (TF's ``MirroredStrategy``).
 
     Args:
-        devices: device names (any DeviceSpec form); default every daemon
-            device, or in a multi-process job (``xreduce.distribution.initialize``)
-            this process's devices.
+        devices: device names (any form the SDK gives out: ``cpu:4``, any
+            DeviceSpec spelling, ``/job:worker/replica:0/task:P/device:CPU:i``);
+            default every daemon device, or in a multi-process job
+            (``xreduce.distribution.initialize``) this process's devices.
         cross_device_ops: default ``HierarchicalCopyAllReduce()``.
         address: the daemon, when ``cross_device_ops`` is not given.
         token: the daemon's bearer token, when ``cross_device_ops`` is not
@@ -134,8 +137,10 @@ class MirroredStrategy:
     Raises:
         ValueError: ``devices`` is empty or names a device twice.
         xreduce.NotFoundError: at the first ``run``, ``reduce`` or value made
-            (not at construction), ``devices`` names a device the daemon does
-            not have; the message lists the daemon's devices.
+            (not at construction), ``devices`` names a device the daemon (in a
+            multi-process job, the job) does not have; the message lists them.
+        xreduce.InvalidArgumentError: likewise, in a multi-process job,
+            ``devices`` names another process's device; the message says whose.
 
     Example:
         >>> import numpy as np, xreduce
@@ -172,23 +177,26 @@ class MirroredStrategy:
     def _devices(self) -> tuple[str, ...]:
         if self._device_names is None:
             group = self._group()
-            names = group.local_devices if group else self.cross_device_ops.client.device_names()
+            names = job_devices(group).mine if group else self.cross_device_ops.client.device_names()
             self._device_names = tuple(names)
         return self._device_names
 
     def _checked_devices(self) -> tuple[str, ...]:
-        """:meth:`_devices`, the given ones checked against the daemon's the first time they are used
-        (a single device is never sent to the daemon, which would otherwise catch a wrong one)."""
+        """:meth:`_devices`, the given ones checked the first time they are used (a single device is never
+        sent to the daemon, which would otherwise catch a wrong one): in a multi-process job, against the
+        job's devices (this process's own), else against the daemon's."""
         devices = self._devices()
         if not self._devices_checked:
+            group = self._group()
+            where = f"MirroredStrategy(devices={self._given_devices!r})"
             client = self.cross_device_ops.client
-            known = client.device_names()
-            for spec, name in zip(self._given_devices, devices):
-                if name not in known:
+            known = client.device_names() if group is None else ()
+            for i, spec in enumerate(self._given_devices):
+                name = to_daemon(spec, group, f"{where}: devices[{i}]")
+                if group is None and name not in known:
                     listing = ", ".join(DeviceName.parse(d).short for d in known)
-                    raise NotFoundError(f"MirroredStrategy(devices={self._given_devices!r}): no device {spec!r} on the "
-                                        f"daemon at {client.address}; its devices are {listing}",
-                                        grpc.StatusCode.NOT_FOUND)
+                    raise NotFoundError(f"{where}: no device {spec!r} on the daemon at {client.address}; its devices "
+                                        f"are {listing}", grpc.StatusCode.NOT_FOUND)
             self._devices_checked = True
         return devices
 
@@ -197,9 +205,7 @@ class MirroredStrategy:
         group = self._group()
         if group is None:
             return 0
-        first = self._devices()[0]
-        local = group.local_devices
-        return group.replica_offset + (local.index(first) if first in local else 0)
+        return job_devices(group).own(self._devices()[0], "devices[0]").replica
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from xreduce._arrays import HostArray
+from xreduce._job_devices import DaemonName
 from xreduce._sparse import HostSlices, host
 from xreduce.wire.devices import canonical
 
@@ -16,10 +17,12 @@ class DistributedValues:
     Args:
         values: one array (or tensor-like) per device, or one
             :class:`~xreduce.distribute.IndexedSlices` per device.
-        devices: device names in any DeviceSpec form; when omitted they come
-            from the arrays that carry a device (CuPy, CUDA torch/JAX), else
-            they are the daemon's first ``len(values)`` devices, resolved when
-            first needed.
+        devices: device names in any form the SDK gives out (see
+            :mod:`xreduce._job_devices`: ``cpu:4``, ``/job:worker/replica:0/task:1/device:CPU:0``,
+            any DeviceSpec spelling); when omitted they come from the arrays
+            that carry a device (CuPy, CUDA torch/JAX: the GPU of this node
+            they are on), else they are this process's first ``len(values)``
+            devices, resolved when first needed.
 
     Raises:
         ValueError: no values, ``devices`` of another length, or (without
@@ -51,7 +54,7 @@ class DistributedValues:
             self._devices: tuple[str, ...] | None = tuple(canonical(d) for d in devices)
         else:
             found = [getattr(h, "device", None) for h in self.hosts()]
-            self._devices = tuple(canonical(d) for d in found) if all(found) else None
+            self._devices = tuple(DaemonName(canonical(d)) for d in found) if all(found) else None
         if self._devices is not None and len(set(self._devices)) != len(self._devices):
             raise ValueError(
                 f"{type(self).__name__}: each device may hold one value; got devices="
@@ -65,7 +68,7 @@ class DistributedValues:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Canonical device names, one per value.
+        """Canonical device names, one per value (as given: a task-qualified name stays one).
 
         Raises:
             ValueError: the value was made without ``devices`` and has not been

@@ -190,7 +190,7 @@ def _worker(config: dict) -> None:
     from xreduce.distribute import CommunicationOptions, HierarchicalCopyAllReduce, MirroredStrategy, PerReplica
 
     info = distribution.initialize()
-    local = list(MirroredStrategy().extended.worker_devices)  # the daemon's names for this process's devices
+    local = list(MirroredStrategy().extended.worker_devices)  # the job's names of this process's devices
     replicas = [info.devices.index(d) for d in info.local_devices]
     _emit(event="ready", num_nodes=info.num_nodes, engine=info.engine, replicas=replicas)
     sys.stdin.readline()

@@ -463,8 +463,11 @@ def test_reinitializing_forms_a_new_epoch_and_the_old_one_is_refused(nodes, coor
         group = states[0].info.group
         for address, stale in zip(nodes, old):
             set_process_group(address, stale)  # collectives of the epoch before: both processes at once
-        outcomes = each_process(lambda address: HierarchicalCopyAllReduce(address=address).reduce(
-            ReduceOp.SUM, PerReplica([np.ones(2)] * 4), "CPU:0"), nodes)
+        def reduce(address: str):
+            value = PerReplica([np.ones(2)] * 4)  # on this process's devices
+            return HierarchicalCopyAllReduce(address=address).reduce(ReduceOp.SUM, value, value)
+
+        outcomes = each_process(reduce, nodes)
     assert first[0] == first[1] and second[0] == second[1] > first[0]
     assert group == f"default@{coordinator}", "a new epoch, the same group"
     for outcome in outcomes:

@@ -94,7 +94,7 @@ def _check_everywhere(job: Job, name: str, want: list[np.ndarray], one: bool = F
         result = [result] if one else result
         assert len(result) == len(want), f"process {pid}: {len(result)} results for {len(want)} tensors"
         for t, (components, expected) in enumerate(zip(result, want)):
-            assert [c["device"] for c in components] == info["daemon_devices"], (pid, t)
+            assert [c["device"] for c in components] == info["worker_devices"], (pid, t)
             got = component_arrays(components)
             assert same_bytes(got, expected), (f"process {pid}, tensor {t}: got {got[0].dtype} {got[0].shape} "
                                                f"{got[0]!r}, want {expected.dtype} {expected.shape} {expected!r}")

@@ -100,7 +100,8 @@ def test_mirrored_strategy_replica_ids_are_global_across_nodes(installed, pid, f
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.array([ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync]))
     assert [v.tolist() for v in values.values] == [[first, 6], [first + 1, 6]]
-    assert strategy.extended.worker_devices == tuple(LOCAL[pid])
+    # The job's names (process 2's devices are CPU:2 and CPU:3 of node 0, but cpu:4 and cpu:5 of the job).
+    assert strategy.extended.worker_devices == (_name(0, first, "localhost"), _name(0, first + 1, "localhost"))
 
 
 def _status(groups) -> pb.GetStatusResponse:

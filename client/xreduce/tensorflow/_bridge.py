@@ -129,16 +129,16 @@ def copies(value: Any, devices: Sequence[str]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
-    """One value of a TF reduction, with its devices as TF names them and as the daemon does."""
+    """One value of a TF reduction, with its devices as TF names them and as the SDK does."""
 
     components: tuple[Any, ...]
     """The replicas' tensors or ``tf.IndexedSlices``, as TF gave them."""
     devices: tuple[str, ...]
-    """The daemon's name of each component's device."""
+    """The SDK's name of each component's device."""
     destinations: tuple[str, ...]
     """The TF devices the result goes to."""
-    daemon_destinations: tuple[str, ...]
-    """The same devices, as the daemon names them."""
+    sdk_destinations: tuple[str, ...]
+    """The same devices, as the SDK names them (:func:`xreduce.tensorflow._devices.sdk_name`)."""
 
     @property
     def sparse(self) -> bool:
@@ -232,7 +232,7 @@ def pack(pairs: Sequence[Pair]) -> list[tuple[Pair, Callable[[Any], list[Any]], 
         if p.sparse or not all(c.shape.is_fully_defined() for c in p.components):
             alone.append(i)
             continue
-        key = (tf.as_dtype(p.components[0].dtype), p.devices, p.destinations, p.daemon_destinations)
+        key = (tf.as_dtype(p.components[0].dtype), p.devices, p.destinations, p.sdk_destinations)
         groups.setdefault(key, []).append(i)
     out = [(pairs[i], lambda tensors, p=pairs[i]: [p.result(tensors)], (i,)) for i in alone]
     for places in groups.values():

@@ -21,7 +21,7 @@ from xreduce import _ops as sdk
 from xreduce._options import ConnectionOptions
 from xreduce._runtime import ProcessGroup
 from xreduce.tensorflow import _bridge
-from xreduce.tensorflow._devices import daemon_name, local_name
+from xreduce.tensorflow._devices import local_name, sdk_name
 
 
 def _op_name(reduce_op: Any) -> str:
@@ -37,7 +37,7 @@ def _op_name(reduce_op: Any) -> str:
 
 
 class _DaemonOps:
-    """What both classes share: the SDK's ops object they call, and TF's names mapped to the daemon's."""
+    """What both classes share: the SDK's ops object they call, and TF's names mapped to the SDK's."""
 
     _sdk: sdk.CrossDeviceOps
 
@@ -59,11 +59,11 @@ class _DaemonOps:
     """The TF devices of the strategy's replicas, in order, once a :class:`xreduce.tensorflow.MirroredStrategy`
     uses these ops."""
 
-    def _daemon_names(self, tf_devices: tuple[str, ...], group: ProcessGroup | None) -> tuple[str, ...]:
-        """The daemon's device of each component. TF may hold several replicas' tensors on one device (the
+    def _sdk_names(self, tf_devices: tuple[str, ...], group: ProcessGroup | None) -> tuple[str, ...]:
+        """The SDK's name of each component's device. TF may hold several replicas' tensors on one device (the
         shapes ``strategy.reduce(..., axis=...)`` computes live on the host): component ``i`` is then replica
         ``i``, on the strategy's ``i``-th device (TF's own all-reduce also goes by position)."""
-        names = tuple(daemon_name(d, group) for d in tf_devices)
+        names = tuple(sdk_name(d, group) for d in tf_devices)
         if len(set(names)) == len(names):
             return names
         replicas = self._replica_devices
@@ -73,7 +73,7 @@ class _DaemonOps:
         if len(replicas) < len(names):
             raise ValueError(f"a value of {len(names)} replicas on the devices {list(tf_devices)}, but the strategy "
                              f"has {len(replicas)} replicas")
-        return tuple(daemon_name(d, group) for d in replicas[:len(names)])
+        return tuple(sdk_name(d, group) for d in replicas[:len(names)])
 
     def _pairs(self, value_destination_pairs: list) -> list[_bridge.Pair]:
         group = self._group()
@@ -81,14 +81,14 @@ class _DaemonOps:
         for value, destinations in value_destination_pairs:
             value = tf_cdo._make_tensor_into_per_replica(value)
             tf_devices = tuple(value._devices)
-            devices = self._daemon_names(tf_devices, group)
+            devices = self._sdk_names(tf_devices, group)
             if destinations is value or not tf_cdo.check_destinations(destinations):
-                dests, daemon_dests = tf_devices, devices
+                dests, sdk_dests = tf_devices, devices
             else:
                 dests = tuple(tf_cdo.get_devices_from(destinations))
-                daemon_dests = self._daemon_names(dests, group)
+                sdk_dests = self._sdk_names(dests, group)
             pairs.append(_bridge.Pair(tuple(value.values), devices, tuple(local_name(d) for d in dests),
-                                      daemon_dests))
+                                      sdk_dests))
         return pairs
 
     def _reduce_batch(self, reduce_op: Any, value_destination_pairs: list, options: Any, single: bool) -> list:
@@ -101,7 +101,7 @@ class _DaemonOps:
 
         def reduce(arrays: list) -> list:
             it = iter(arrays)
-            batch = [(sdk.PerReplica(p.sdk_value(it), devices=p.devices), list(p.daemon_destinations)) for p in pairs]
+            batch = [(sdk.PerReplica(p.sdk_value(it), devices=p.devices), list(p.sdk_destinations)) for p in pairs]
             if single:
                 results = [self._sdk.reduce(op, batch[0][0], batch[0][1], sdk_options)]
             else:
@@ -140,7 +140,7 @@ class _DaemonOps:
                 return self._sdk.batch_reduce(op, pairs)
 
             value = sdk.PerReplica(arrays, devices=pair.devices)
-            (result,) = _gather.batch_gather(reduce, [(value, list(pair.daemon_destinations))], axis, pair.devices,
+            (result,) = _gather.batch_gather(reduce, [(value, list(pair.sdk_destinations))], axis, pair.devices,
                                              first, total, True)
             return _bridge.sdk_result(result, sparse=False)
 
@@ -216,14 +216,14 @@ class ReductionToOneDevice(_DaemonOps, tf_cdo.CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
         self._tf = tf_cdo.ReductionToOneDevice(reduce_to_device, accumulation_fn) if accumulation_fn else None
         self._sdk = sdk.ReductionToOneDevice(
-            None if reduce_to_device is None else daemon_name(reduce_to_device, None), None, address, token,
+            None if reduce_to_device is None else sdk_name(reduce_to_device, None), None, address, token,
             transport, options=options)
         super().__init__()
 
     def _reduce_batch(self, reduce_op, value_destination_pairs, options, single):
         if self._tf is None:
             if self.reduce_to_device is not None:
-                self._sdk.reduce_to_device = daemon_name(self.reduce_to_device, self._group())
+                self._sdk.reduce_to_device = sdk_name(self.reduce_to_device, self._group())
             return super()._reduce_batch(reduce_op, value_destination_pairs, options, single)
         group = self._group()
         if group is not None:

@@ -28,7 +28,7 @@ from tensorflow.python.util import nest
 from xreduce import _ops as sdk
 from xreduce._runtime import ProcessGroup
 from xreduce.tensorflow import _bridge, _input
-from xreduce.tensorflow._devices import daemon_name
+from xreduce.tensorflow._devices import sdk_name
 from xreduce.tensorflow._ops import HierarchicalCopyAllReduce, ReductionToOneDevice
 
 
@@ -64,7 +64,7 @@ def local_devices() -> list[str]:
 
 def _meet(ops: HierarchicalCopyAllReduce | ReductionToOneDevice, group: ProcessGroup, devices: Sequence[str]) -> Job:
     """Every process's replica count, from one small collective: each adds its count at its own place."""
-    mine = daemon_name(devices[0], group)
+    mine = sdk_name(devices[0], group)
     counts = np.zeros(group.num_processes, np.int64)
     counts[group.process_id] = len(devices)
     try:
@@ -175,7 +175,7 @@ class _JobExtended(MirroredExtended):
 
 def _broadcast(ops, group: ProcessGroup, value: tf.Tensor, device: str) -> tf.Tensor:
     """Process 0's ``value`` in every process (one ``Broadcast`` collective)."""
-    mine = daemon_name(device, group)
+    mine = sdk_name(device, group)
 
     def broadcast(arrays):
         return [np.asarray(ops._sdk.broadcast(arrays[0] if group.process_id == 0 else None, [mine]))]
@@ -222,7 +222,7 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         job = None
         if group is not None and group.num_processes > 1:
             for d in devices:
-                daemon_name(d, group)
+                sdk_name(d, group)
             job = _meet(cross_device_ops, group, devices)
         # TF's MirroredStrategy.__init__ only makes its own extended part and counts the strategy.
         distribute_lib.Strategy.__init__(self, _JobExtended(self, devices, cross_device_ops, job))
