@@ -146,9 +146,12 @@ def collective(client: Client, group: ProcessGroup | None) -> Iterator[pb.Collec
         # When the daemon answered, it failed the collective for the others where it must. (A refusal of
         # an earlier call, e.g. of a region, leaves the others to their timeout; the number is spent.)
         if spec is not None and not (isinstance(e, XReduceError) and e.answered):
-            # A request the daemon rejects (no reduce op) fails the collective for every process.
+            # The daemon fails the collective for every process (on every node) with this reason.
+            given_up = pb.CollectiveSpec()
+            given_up.CopyFrom(spec)
+            given_up.abort = (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:1000]
             with contextlib.suppress(Exception):
-                client.batch_reduce(pb.BatchReduceRequest(collective=spec), 10.0)
+                client.batch_reduce(pb.BatchReduceRequest(collective=given_up), 10.0)
         raise
 
 

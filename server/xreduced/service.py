@@ -570,6 +570,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         shape = None if call is None else call.shape
         prepared = self.prepared.get(shape)
         with self._failing(group):
+            if group is not None and request.collective.abort:
+                raise _GaveUp(f"process {group.process_id} gave up {group.label}: {request.collective.abort}")
             deadline = self._deadline(request, context, group)
             if prepared is not None:  # a shape validated before: only the tensors' bytes are new
                 op, dest_fields = prepared.op, prepared.dest_fields
@@ -676,7 +678,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
     def _fail_for_others(self, group: decode.Group, error: Exception) -> None:
         """Process ``group.process_id``'s request was rejected: its collective fails for every process, on
         this node and (in sequence order, :func:`across.refuse_across`) on the others; the group goes on."""
-        reason = f"process {group.process_id}'s request was rejected: {error}"
+        reason = str(error) if isinstance(error, _GaveUp) else \
+            f"process {group.process_id}'s request was rejected: {error}"
         cluster = None
         with contextlib.suppress(ServiceError):
             cluster = self._cluster(group)
@@ -735,6 +738,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 dtype=codec.dtype_enum(slot.view.dtype), shape=slot.view.shape,
                 region=pb.RegionSlice(name=slot.region, offset=slot.offset, byte_size=slot.view.nbytes))))
         return pb.DistributedValue(components=components)
+
+
+class _GaveUp(Aborted):
+    """A process gave up its collective before it could make its request (``CollectiveSpec.abort``, e.g. a
+    device name its SDK refused): every process gets its reason."""
 
 
 class _Failing:

@@ -225,9 +225,10 @@ def test_a_process_killed_without_shutdown_ends_its_groups_epoch_at_once(nodes):
 
 
 def test_a_bad_request_across_nodes_fails_that_collective_only_and_the_group_goes_on(nodes):
-    """Process 1 (on node 1) names a device its daemon does not have: that collective fails for every process
-    of every node with process 1's error, the next collectives of the same epoch succeed, and neither daemon
-    logs an ERROR for it (no engine call runs on a torn-down engine)."""
+    """Process 1 (on node 1) names a device the job does not have: its SDK refuses it and gives the collective
+    up (``CollectiveSpec.abort``), which fails that collective for every process of every node with process
+    1's error; the next collectives of the same epoch succeed, and neither daemon logs an ERROR for it (no
+    engine call runs on a torn-down engine). A request the daemon itself rejects takes the same way."""
     bad = {**_reduce(41), "bad_device": "CPU:99"}
 
     def script(pid: int) -> list[dict]:

@@ -167,20 +167,22 @@ class PeerRow(_message.Message):
     def __init__(self, can_access: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class CollectiveSpec(_message.Message):
-    __slots__ = ("group", "num_processes", "process_id", "sequence", "name", "epoch")
+    __slots__ = ("group", "num_processes", "process_id", "sequence", "name", "epoch", "abort")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     group: str
     num_processes: int
     process_id: int
     sequence: int
     name: str
     epoch: int
-    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., sequence: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    abort: str
+    def __init__(self, group: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., sequence: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ..., abort: _Optional[str] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ()
