@@ -95,7 +95,8 @@ def _xreduce_start(spec: _XreduceSpec, rank: int) -> tuple[Callable, Callable]:
         distribution.initialize(num_processes=spec.sweep.processes, process_id=rank)
 
     sweep = spec.sweep
-    names = spec.devices[rank]
+    # In a job, the job's names of this process's devices (on node 1 its daemon's CPU:0 is the job's cpu:k).
+    names = distribution.process_info().local_devices if spec.sweep.processes > 1 else spec.devices[rank]
     first = rank * sweep.devices  # global index of this process's first device
     values = oracle.inputs(sweep)
     dtype = numpy_dtype(sweep.dtype)

@@ -31,9 +31,10 @@ def test_a_refusal_made_in_this_process_abandons_the_collective_for_every_proces
     seam = _Seam()
     with pytest.raises(InvalidArgumentError), collective(seam, _group()) as spec:
         raise InvalidArgumentError("transport='shm' needs POSIX shared memory", grpc.StatusCode.FAILED_PRECONDITION)
-    # A request with no reduce op: the daemon refuses it and fails the collective for the others at once.
-    assert [r.collective for r in seam.sent] == [spec]
-    assert not seam.sent[0].pairs
+    # The collective given up, with the reason: the daemon fails it for the others at once.
+    (sent,) = seam.sent
+    assert (sent.collective.group, sent.collective.sequence) == (spec.group, spec.sequence) and not sent.pairs
+    assert sent.collective.abort.startswith("InvalidArgumentError: transport='shm' needs POSIX shared memory")
 
 
 def test_an_error_the_daemon_answered_is_not_sent_again():
