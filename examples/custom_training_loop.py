@@ -21,6 +21,7 @@ reference and checks that::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
@@ -138,16 +140,8 @@ def launch(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("XREDUCE_GROUP", f"custom-training-loop-{os.getpid()}")
     with tempfile.TemporaryDirectory(prefix="xreduce-") as tmp:
-        daemon = None
-        if args.embedded:
-            daemon, env["XREDUCE_ADDRESS"], _ = start_daemon(tmp, args.virtual_devices, args.timeout)
-            print(f"daemon: {env['XREDUCE_ADDRESS']} ({args.virtual_devices} devices)")
-        try:
+        with embedded_daemon(args, env, tmp):
             workers = run([*me, "--worker", f"--processes={args.processes}"], env, args.processes, args.timeout)
-        finally:
-            if daemon is not None:
-                daemon.send_signal(signal.SIGTERM)
-                daemon.wait(30)
     [(_, expected)] = run([*me, "--reference"], env, 1, args.timeout)
     for i, (_, out) in enumerate(workers):
         for line in out.splitlines():
@@ -155,6 +149,22 @@ def launch(args: argparse.Namespace) -> int:
     ok, line = verdict(workers, expected, args.steps)
     print(line)
     return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def embedded_daemon(args: argparse.Namespace, env: dict[str, str], tmp: str) -> Iterator[None]:
+    """With ``--embedded``, a daemon of the job's own for the block (its address put in ``env``'s
+    ``XREDUCE_ADDRESS``), stopped after it; without, nothing (the job uses the daemon already running)."""
+    if not args.embedded:
+        yield
+        return
+    daemon, env["XREDUCE_ADDRESS"], _ = start_daemon(tmp, args.virtual_devices, args.timeout)
+    print(f"daemon: {env['XREDUCE_ADDRESS']} ({args.virtual_devices} devices)")
+    try:
+        yield
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
 
 
 def verdict(workers: list[tuple[int | None, str]], expected: str, steps: int) -> tuple[bool, str]:

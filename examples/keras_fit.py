@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 
 import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, reruns this under the project's .venv
 import numpy as np
-from custom_training_loop import run  # the same job runner
-from multiprocess_train import start_daemon  # the same daemon launcher
+from custom_training_loop import embedded_daemon, run  # the same job runner and daemon
 
 
 def tensorflow(replicas: int):
@@ -97,17 +95,9 @@ def launch(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("XREDUCE_GROUP", f"keras-fit-{os.getpid()}")
     with tempfile.TemporaryDirectory(prefix="xreduce-") as tmp:
-        daemon = None
-        if args.embedded:
-            daemon, env["XREDUCE_ADDRESS"], _ = start_daemon(tmp, args.virtual_devices, args.timeout)
-            print(f"daemon: {env['XREDUCE_ADDRESS']} ({args.virtual_devices} devices)")
-        try:
+        with embedded_daemon(args, env, tmp):
             outputs = run([sys.executable, __file__, *common, "--worker", f"--processes={args.processes}",
                            f"--out-dir={tmp}"], env, args.processes, args.timeout)
-        finally:
-            if daemon is not None:
-                daemon.send_signal(signal.SIGTERM)
-                daemon.wait(30)
         total = args.replicas * args.processes
         [(code, _)] = run([sys.executable, __file__, *common, f"--replicas={total}", "--reference",
                            f"--out-dir={tmp}"], env, 1, args.timeout)
