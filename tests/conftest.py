@@ -60,7 +60,7 @@ def stub(channel):
 
 @pytest.fixture
 def start_daemon():
-    """``start_daemon(*flags, env=None, timeout=30.0)`` starts a private ``xreduced`` with exactly
+    """``start_daemon(*flags, env=None, timeout=30.0, wrapper=None)`` starts a private ``xreduced`` with exactly
     ``flags``; every daemon it started and that still runs is stopped (SIGTERM) after the test."""
     with Daemons() as start:
         yield start

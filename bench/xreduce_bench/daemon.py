@@ -24,13 +24,15 @@ class DaemonProcess:
         (True, 0)
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 30.0):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 30.0,
+                 wrapper: list[str] | None = None):
+        """``wrapper``: a command the daemon runs under (``["setpriv", ..., "--"]``); none by default."""
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xreduced", *args],
+            [*(wrapper or ()), sys.executable, "-m", "xreduced", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.lines: list[str] = []

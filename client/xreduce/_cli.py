@@ -2,7 +2,7 @@
 
 ``xreduce plan`` prints the plan the daemon would run, step by step (it runs
 ``xreduced plan``: the planner is the daemon's);
-``xreduce status`` shows a running daemon's devices, limits, counters and groups across nodes;
+``xreduce status`` shows a running daemon's devices, limits, counters, memory guards and groups across nodes;
 ``xreduce bench`` sweeps a collective over sizes, nccl-tests style, against peers.
 """
 
@@ -138,6 +138,8 @@ def describe_status(status, address: str) -> str:
         "limits",
         f"  max request bytes    {human_bytes(lim.max_request_bytes)} ({lim.max_request_bytes})",
         f"  max in-flight bytes  {human_bytes(lim.max_inflight_bytes)} ({lim.max_inflight_bytes})",
+        "  max mapped bytes     " + (f"{human_bytes(lim.max_mapped_bytes)} ({lim.max_mapped_bytes})"
+                                     if lim.max_mapped_bytes else "none"),
         f"  max collectives      {lim.max_collectives}",
         f"  max message bytes    {human_bytes(lim.max_message_bytes)} ({lim.max_message_bytes})",
         f"  collective timeout   {lim.collective_timeout_seconds:g}s",
@@ -145,7 +147,9 @@ def describe_status(status, address: str) -> str:
         "",
         "now",
         f"  in-flight bytes      {human_bytes(status.inflight_bytes)} ({status.inflight_bytes})",
+        f"  mapped bytes         {human_bytes(status.mapped_bytes)} ({status.mapped_bytes})",
         f"  collectives waiting  {status.collectives_waiting}",
+        f"  oom_score_adj        {status.oom_score_adj}",
         "",
     ]
     groups = describe_groups(status.groups)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -20,11 +19,9 @@ import numpy as np
 from xreduce.wire.codec import SUPPORTED_DTYPES
 
 from xreduced import config as config_lib
-from xreduced import memory, planner
+from xreduced import memory, oom, planner
+from xreduced.config import parse_bytes
 from xreduced.server import Daemon
-
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
 def main(argv: Sequence[str] | None = None, plan_prog: str = "xreduced plan") -> int:
@@ -124,6 +121,10 @@ def serve(argv: Sequence[str]) -> int:
     tuned = memory.tune_malloc()
     logging.getLogger("xreduced").debug("event=malloc tuned=%s arenas=%d mmap_threshold=%d", tuned,
                                         memory.MALLOC_ARENAS, memory.MALLOC_MMAP_THRESHOLD)
+    # The daemon maps every client's shared memory, so it can look like the node's largest process: the
+    # kernel should pick a training process first (oom.py).
+    in_effect = oom.set_score_adj(config.oom_score_adj)
+    logging.getLogger("xreduced").debug("event=oom_score_adj in_effect=%s", in_effect)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -153,22 +154,6 @@ def serve(argv: Sequence[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
-
-
-def parse_bytes(text: str) -> int:
-    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``.
-
-    Raises:
-        argparse.ArgumentTypeError: not a size; the message repeats it.
-
-    Example:
-        >>> parse_bytes("1MiB"), parse_bytes("4KiB")
-        (1048576, 4096)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def wire_dtype(text: str) -> np.dtype:

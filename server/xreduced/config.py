@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 from xreduce.wire.addresses import check_address, check_host
@@ -52,6 +53,12 @@ class Config:
     max_request_bytes: int = 1 << 30
     max_inflight_bytes: int = 4 << 30
     max_collectives: int = 1024
+    max_mapped_bytes: int | None = None
+    """Bytes of the clients' shared memory the daemon maps at once, over every session (:mod:`xreduced.oom`);
+    None: half the node's memory, the smaller of MemTotal and the cgroup's limit."""
+    oom_score_adj: int = -900
+    """The ``oom_score_adj`` the ``xreduced`` command sets for its process at start, so that the kernel's OOM
+    killer picks a training process first (an embedded daemon leaves its process's own)."""
     metrics_listen: str | None = None
     """host:port for Prometheus metrics; None: no metrics endpoint."""
     node_address: str | None = None
@@ -92,6 +99,11 @@ _FLAGS = {
     "max_request_bytes": (int, "largest request accepted, in bytes; default 1073741824 (1 GiB)"),
     "max_inflight_bytes": (int, "bytes of requests being served at once, at most; default 4294967296 (4 GiB)"),
     "max_collectives": (int, "multi-process collectives waiting at once, at most; default 1024"),
+    "max_mapped_bytes": ("bytes", "bytes of the clients' shared memory mapped at once (host regions of every "
+                         "session; a region over it is refused), e.g. 8GiB; default: half the node's memory, "
+                         "the smaller of MemTotal and the cgroup's memory limit"),
+    "oom_score_adj": (int, "the daemon's own oom_score_adj, -1000..1000, set at start (lowering it needs "
+                      "CAP_SYS_RESOURCE; without it a warning, and the daemon serves anyway); default -900"),
     "metrics_listen": (str, "host:port to serve Prometheus metrics on; default off"),
     "node_address": (str, "groups across nodes: this node's address (an IP address or a host name, no port) as "
                      "the other nodes reach it; the engines bind only to it (Gloo) or its interface (NCCL); "
@@ -175,6 +187,13 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
                 raise ValueError(f"{source} must be true or false; got {raw!r}")
             values[field] = _BOOLS[raw.lower()]
             continue
+        if kind == "bytes":
+            try:
+                values[field] = _check(field, parse_bytes(raw), source)
+            except argparse.ArgumentTypeError:
+                raise ValueError(f"{source} must be a size in bytes (examples: 8589934592, 8GiB, 512MiB); "
+                                 f"got {raw!r}") from None
+            continue
         try:
             values[field] = kind(raw)
         except ValueError:
@@ -206,6 +225,26 @@ def check(config: Config) -> Config:
     return config
 
 
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a size such as ``1MiB``, ``4096`` or ``2 GB``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size; the message repeats it.
+
+    Example:
+        >>> parse_bytes("1MiB"), parse_bytes("4KiB")
+        (1048576, 4096)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
@@ -232,11 +271,14 @@ def _check(field: str, value, source: str):
         raise ValueError(f"{source} must be a number of seconds in [0, 60] (0: no express lane); got {value}")
     elif field == "stall_warning_seconds" and not 0 <= value <= 86400:
         raise ValueError(f"{source} must be a number of seconds in [0, 86400] (0: never); got {value}")
-    elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives") and value < 1:
+    elif field in ("max_request_bytes", "max_inflight_bytes", "max_collectives", "max_mapped_bytes") and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "socket_group",
                    "metrics_listen", "node_address") and not value:
         raise ValueError(f"{source} must not be empty; got {value!r}")
+    elif field == "oom_score_adj" and not -1000 <= value <= 1000:
+        raise ValueError(f"{source} must be an integer in [-1000, 1000] (the kernel's range for oom_score_adj); "
+                         f"got {value}")
     elif field == "workers" and value < 1:
         raise ValueError(f"{source} must be >= 1; got {value}")
     elif field == "listen":

@@ -17,6 +17,9 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
 * ``xreduce_inflight_bytes`` (gauge): the estimated working sets of the calls being served
   (:func:`xreduced.admission.working_set`);
 * ``xreduce_collectives_waiting`` (gauge);
+* ``xreduce_mapped_bytes`` (gauge): the clients' shared memory the daemon maps now, and
+  ``xreduce_mapped_bytes_limit`` (gauge) its budget, ``--max-mapped-bytes`` (+Inf: none);
+  ``xreduce_oom_score_adj`` (gauge): the daemon process's ``oom_score_adj`` (:mod:`xreduced.oom`);
 * ``xreduce_limit_rejections_total{limit}``: calls refused by each limit;
 * ``xreduce_local_lane_connections`` (gauge), ``xreduce_local_lane_calls_total``: the local lane
   (:mod:`xreduced.lane`); ``xreduce_local_lane_express_calls_total``: those of its calls its express
@@ -34,11 +37,14 @@ The call pipeline (:mod:`xreduced.pipeline`) records every call here.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable
 
 import prometheus_client
+
+from xreduced.oom import MappedBytes, score_adj
 
 REDUCTION_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                              1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -143,6 +149,7 @@ class Stats:
     Args:
         inflight: the in-flight bytes now (the ``xreduce_inflight_bytes`` gauge).
         collectives_waiting: the collectives waiting for participants now.
+        mapped: the shared memory mapped and its budget (``value`` and ``limit``, None: none).
 
     Example:
         >>> s = Stats()
@@ -153,7 +160,9 @@ class Stats:
         1.0
     """
 
-    def __init__(self, inflight: Callable[[], int] = lambda: 0, collectives_waiting: Callable[[], int] = lambda: 0):
+    def __init__(self, inflight: Callable[[], int] = lambda: 0, collectives_waiting: Callable[[], int] = lambda: 0,
+                 mapped: MappedBytes | None = None):
+        mapped = MappedBytes(None) if mapped is None else mapped
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self._methods: dict[str, dict] = collections.defaultdict(
@@ -174,6 +183,13 @@ class Stats:
                                 registry=r).set_function(inflight)
         prometheus_client.Gauge("xreduce_collectives_waiting", "Multi-process collectives waiting for "
                                 "participants now.", registry=r).set_function(collectives_waiting)
+        prometheus_client.Gauge("xreduce_mapped_bytes", "Bytes of the clients' shared memory the daemon maps now.",
+                                registry=r).set_function(lambda: mapped.value)
+        prometheus_client.Gauge("xreduce_mapped_bytes_limit", "The budget of the shared memory the daemon maps "
+                                "(--max-mapped-bytes); +Inf: none.", registry=r).set_function(
+            lambda: math.inf if mapped.limit is None else mapped.limit)
+        prometheus_client.Gauge("xreduce_oom_score_adj", "The daemon process's oom_score_adj.",
+                                registry=r).set_function(lambda: score_adj() or 0)
 
     def watch_groups(self, groups: Callable[[], list]) -> None:
         """Exports the groups across nodes that ``groups()`` returns (``GroupStatus`` messages) when scraped.

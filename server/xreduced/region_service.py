@@ -15,7 +15,7 @@ from typing import Protocol
 from xreduce.v1 import xreduce_pb2 as pb
 
 from xreduced.errors import PermissionDenied
-from xreduced.regions import RegionTable, probe_shm, session_of
+from xreduced.regions import RegionTable, session_of
 
 log = logging.getLogger("xreduced.service")
 
@@ -74,7 +74,7 @@ class RegionService:
         if not local:  # RegisterRegion would refuse it: say so now, the SDK takes the wire
             reason = f"regions are for callers on the daemon's host (a unix socket or loopback); this is {peer}"
         elif request.probe_shm_key:
-            reason = probe_shm(request.probe_shm_key, bytes(request.probe_nonce))
+            reason = self.regions.probe(request.probe_shm_key, bytes(request.probe_nonce))
         else:
             reason = "no probe was sent"
         log.info("event=session_open session=%s... peer=%s shared_memory=%s", session.id[:8], peer,

@@ -14,7 +14,11 @@ Rules the table enforces:
 * a region a call is using stays mapped until that call ends, even if it is
   unregistered meanwhile (it is released after the call);
 * closing a session (the client closed its stream, disconnected, or died)
-  releases every region it registered.
+  releases every region it registered;
+* the shared memory mapped, over every session, stays within the daemon's
+  budget (:class:`~xreduced.oom.MappedBytes`, ``--max-mapped-bytes``): a region
+  over it is refused before its object is even opened, and an unmapped region's
+  bytes go back to it.
 
 The daemon opens shared-memory objects with its own permissions, by a plain
 name (no ``/`` inside): run it as the user of the training processes.
@@ -43,6 +47,7 @@ from xreduce.wire.contract import SESSION_METADATA
 
 from xreduced.backends import DeviceRegion
 from xreduced.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ServiceError
+from xreduced.oom import MappedBytes
 
 log = logging.getLogger("xreduced.regions")
 
@@ -162,8 +167,9 @@ def open_shm(key: str, offset: int, byte_size: int, field: str = "shm_key") -> t
     return flat, close, check
 
 
-def probe_shm(key: str, nonce: bytes) -> str | None:
-    """Why the client's probe object cannot be read here, or None when it holds ``nonce``.
+def probe_shm(key: str, nonce: bytes, mapped: MappedBytes | None = None) -> str | None:
+    """Why the client's probe object cannot be read here, or None when it holds ``nonce``; while it is
+    mapped, its bytes count in ``mapped``.
 
     Example:
         >>> probe_shm("no-such-object-xyz", b"1234") is not None
@@ -171,9 +177,15 @@ def probe_shm(key: str, nonce: bytes) -> str | None:
     """
     if not nonce:
         return "no probe was sent"
+    mapped = MappedBytes(None) if mapped is None else mapped
+    try:
+        mapped.reserve(len(nonce), f"the probe {key!r}")
+    except ServiceError as e:
+        return str(e)
     try:
         flat, close, _ = open_shm(key, 0, len(nonce), "probe_shm_key")
     except ServiceError as e:
+        mapped.release(len(nonce))
         return str(e)
     try:
         if flat.tobytes() != nonce:
@@ -182,6 +194,7 @@ def probe_shm(key: str, nonce: bytes) -> str | None:
     finally:
         del flat
         close()
+        mapped.release(len(nonce))
 
 
 def _host_view(flat: np.ndarray, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -199,7 +212,8 @@ class RegionTable:
     """Every open session and its regions.
 
     ``ipc_opener`` (a backend's :meth:`~xreduced.backends.Backend.open_ipc`) opens CUDA IPC
-    handles; without it such registrations are refused.
+    handles; without it such registrations are refused. ``mapped`` is the budget of the shared
+    memory mapped (none by default); CUDA IPC regions are GPU memory and do not count in it.
 
     Example:
         >>> table = RegionTable()
@@ -211,8 +225,10 @@ class RegionTable:
 
     def __init__(self, ipc_opener: Callable[..., DeviceRegion] | None = None,
                  max_regions_per_session: int = MAX_REGIONS_PER_SESSION,
-                 max_sessions: int | None = None):
+                 max_sessions: int | None = None, mapped: MappedBytes | None = None):
         self._lock = threading.Lock()
+        self.mapped = MappedBytes(None) if mapped is None else mapped
+        """The shared memory mapped now, within the daemon's budget."""
         self.max_sessions = max_sessions
         self._closing = False
         self._sessions: dict[str, Session] = {}
@@ -337,6 +353,7 @@ class RegionTable:
         Raises:
             InvalidArgument: a bad name, size or offset, an object that cannot be opened.
             PermissionDenied: the session is not open.
+            LimitExceeded: shared memory over the budget (``--max-mapped-bytes``); nothing was opened.
         """
         session = self._session(session_id, "name")
         if not name or len(name) > MAX_NAME_CHARS:
@@ -354,7 +371,7 @@ class RegionTable:
                                       "a session may register")
         check = None
         if kind == "shm":
-            flat, closer, check = open_shm(key, offset, byte_size)
+            flat, closer, check = self._map(name, key, offset, byte_size)
             view = functools.partial(_host_view, flat)
         elif kind == "cuda_ipc":
             if self._ipc_opener is None:
@@ -376,6 +393,32 @@ class RegionTable:
                 raise InvalidArgument(f"name: region {name!r} was registered meanwhile, or the session closed")
             session.regions[name] = region
         return region
+
+    def _map(self, name: str, key: str, offset: int, byte_size: int) -> tuple[np.ndarray, Any, Any]:
+        """:func:`open_shm` within the budget: counted before the object is opened, given back when the
+        mapping fails or, through the closer it returns, when the region is unmapped."""
+        what = f"region {name!r}" + ("" if key.lstrip("/") == name else f" (shared-memory object {key!r})")
+        self.mapped.reserve(byte_size, what)
+        try:
+            flat, unmap, check = open_shm(key, offset, byte_size)
+        except BaseException:
+            self.mapped.release(byte_size)
+            raise
+
+        def closer() -> None:  # once: Region.close drops it after the first call
+            unmap()
+            self.mapped.release(byte_size)
+
+        return flat, closer, check
+
+    def probe(self, key: str, nonce: bytes) -> str | None:
+        """:func:`probe_shm`, its mapping counted in the budget while it lasts.
+
+        Example:
+            >>> RegionTable(mapped=MappedBytes(8)).probe("xrt-probe", b"0123456789abcdef")[:60]
+            "max-mapped-bytes: the probe 'xrt-probe' of 16 bytes (16 B) w"
+        """
+        return probe_shm(key, nonce, self.mapped)
 
     def unregister(self, session_id: str | None, name: str) -> int:
         """Releases one region (every region with an empty name); returns how many.

@@ -37,6 +37,7 @@ from xreduced.engine import Engine
 from xreduced.express import Express
 from xreduced.lane import LocalLane, Wakeup, lane_address
 from xreduced.metrics import MetricsServer, Stats
+from xreduced.oom import MappedBytes
 from xreduced.pipeline import CallPipeline
 from xreduced.prepared import PreparedCalls
 from xreduced.regions import RegionTable
@@ -131,11 +132,13 @@ class Daemon:
         devices = DeviceTable(self.backend.devices())
         self.admission = Admission.from_config(config)
         self.prepared = PreparedCalls()
+        self.mapped = MappedBytes.from_config(config)
+        """The shared memory the daemon maps, within ``--max-mapped-bytes`` (:mod:`xreduced.oom`)."""
         self.regions = RegionTable(ipc_opener=self.backend.open_ipc if self.backend.cuda_ipc else None,
-                                   max_sessions=max(1, config.workers // 2))
+                                   max_sessions=max(1, config.workers // 2), mapped=self.mapped)
         self.peers = default_peers(config, devices, self.backend.name)
         self.stats = Stats(inflight=lambda: self.admission.inflight.value,
-                           collectives_waiting=lambda: self.service.collectives_waiting())
+                           collectives_waiting=lambda: self.service.collectives_waiting(), mapped=self.mapped)
         self.express: Express | None = None
         """The express lane (:mod:`xreduced.express`), with a local lane and a ``--lane-express-hold``."""
         expressing = config.local_lane and config.lane_express_hold > 0

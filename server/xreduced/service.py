@@ -26,7 +26,7 @@ from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
-from xreduced import across, decode, planner, streaming
+from xreduced import across, decode, oom, planner, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
@@ -134,7 +134,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.stats = stats
         backend = engine.backend
         self.regions = regions or RegionTable(ipc_opener=backend.open_ipc if backend.cuda_ipc else None,
-                                              max_sessions=max(1, self.config.workers // 2))
+                                              max_sessions=max(1, self.config.workers // 2),
+                                              mapped=oom.MappedBytes.from_config(self.config))
         self.region_service = RegionService(self.regions, lane)
         self.peers = default_peers(self.config, self.devices, backend_name) if peers is None else peers
         self.regions.on_session_end(self.peers.session_ended)
@@ -159,7 +160,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         return out
 
     def GetStatus(self, request, context):
-        """The daemon's version, devices, limits, counters per method and security settings.
+        """The daemon's version, devices, limits, counters per method, security settings and memory guards
+        (the shared memory mapped, its budget, the process's ``oom_score_adj``).
 
         Example:
             >>> from xreduced.backends.numpy_backend import NumpyBackend
@@ -179,6 +181,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 max_message_bytes=c.max_message_bytes, max_request_bytes=c.max_request_bytes,
                 max_inflight_bytes=c.max_inflight_bytes, max_collectives=c.max_collectives,
                 collective_timeout_seconds=self.collective_timeout, workers=c.workers,
+                max_mapped_bytes=self.regions.mapped.limit or 0,
             ),
             methods=[
                 pb.MethodStats(method=m, calls_by_code=v["calls_by_code"], bytes_in=v["bytes_in"],
@@ -194,6 +197,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             local_lane="" if lane is None else lane.address,
             local_lane_connections=lane_connections,
             local_lane_calls=lane_calls,
+            mapped_bytes=self.regions.mapped.value,
+            oom_score_adj=oom.score_adj() or 0,
         )
 
     def collectives_waiting(self) -> int:

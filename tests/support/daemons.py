@@ -34,10 +34,12 @@ class Daemons:
         self._stop_signal = stop_signal
         self._started: list[DaemonProcess] = []
 
-    def __call__(self, *flags: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> DaemonProcess:
-        """Starts a daemon with ``flags`` (nothing added), ``env`` over this process's environment,
-        and waits at most ``timeout`` seconds for it to serve."""
-        proc = DaemonProcess(list(flags), env=env, timeout=timeout)
+    def __call__(self, *flags: str, env: dict[str, str] | None = None, timeout: float = 30.0,
+                 wrapper: list[str] | None = None) -> DaemonProcess:
+        """Starts a daemon with ``flags`` (nothing added), ``env`` over this process's environment, under
+        ``wrapper`` (a command such as ``setpriv ... --``) if given, and waits at most ``timeout`` seconds
+        for it to serve."""
+        proc = DaemonProcess(list(flags), env=env, timeout=timeout, wrapper=wrapper)
         self._started.append(proc)
         return proc
 

@@ -371,20 +371,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_request_bytes", "max_inflight_bytes", "max_collectives", "collective_timeout_seconds", "workers")
+    __slots__ = ("max_message_bytes", "max_request_bytes", "max_inflight_bytes", "max_collectives", "collective_timeout_seconds", "workers", "max_mapped_bytes")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_request_bytes: int
     max_inflight_bytes: int
     max_collectives: int
     collective_timeout_seconds: float
     workers: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., max_collectives: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
+    max_mapped_bytes: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., max_collectives: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., workers: _Optional[int] = ..., max_mapped_bytes: _Optional[int] = ...) -> None: ...
 
 class MethodStats(_message.Message):
     __slots__ = ("method", "calls_by_code", "bytes_in", "bytes_out")
@@ -406,7 +408,7 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls_by_code: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups", "local_lane", "local_lane_connections", "local_lane_calls")
+    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups", "local_lane", "local_lane_connections", "local_lane_calls", "mapped_bytes", "oom_score_adj")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +424,8 @@ class GetStatusResponse(_message.Message):
     LOCAL_LANE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LANE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OOM_SCORE_ADJ_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
@@ -437,7 +441,9 @@ class GetStatusResponse(_message.Message):
     local_lane: str
     local_lane_connections: int
     local_lane_calls: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., local_lane: _Optional[str] = ..., local_lane_connections: _Optional[int] = ..., local_lane_calls: _Optional[int] = ...) -> None: ...
+    mapped_bytes: int
+    oom_score_adj: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., local_lane: _Optional[str] = ..., local_lane_connections: _Optional[int] = ..., local_lane_calls: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., oom_score_adj: _Optional[int] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("node_index", "address", "process_ids", "reason")
