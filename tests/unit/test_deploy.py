@@ -6,8 +6,9 @@ Docker engine; no cluster runs the manifests). What is checked:
 * the Dockerfiles have the required shape (base, non-root numeric user, ``xreduced`` entrypoint, a
   gRPC health HEALTHCHECK) and agree with the compose files and manifests (uid/gid, socket, probe);
 * the compose files and manifests parse and have the required structure (services, healthchecks,
-  volumes, ipc/shm, ports, depends_on conditions, the GPU profile; DaemonSet, ConfigMap, Job,
-  probes, hostPath, GPU resources), and every XREDUCE_* setting in them is one the daemon accepts
+  volumes, ipc/shm, ports, depends_on conditions, the GPU profile, the daemon's oom_score_adj; DaemonSet,
+  ConfigMap, Job, probes, hostPath, GPU resources, a node-critical Guaranteed pod), and every XREDUCE_*
+  setting in them is one the daemon accepts
   (tests/integration/test_deploy_runs.py runs the services as local processes);
 * the two-node files agree among themselves: the compose cluster's network, node addresses and job
   addresses; in deploy/k8s/cluster/ the DaemonSet on the node's network with the node's IP as its node
@@ -212,6 +213,8 @@ def check_stack(doc: dict, daemon: str, dockerfile_name: str,
     assert socket_volume in doc["volumes"]
     assert d["ipc"] == "shareable" and nbytes(d["shm_size"]) >= 256 << 20
     assert seconds(d["stop_grace_period"]) > settings.grace_seconds
+    # The engine sets the score the daemon asks for, which its non-root user could not lower itself.
+    assert d["oom_score_adj"] == settings.oom_score_adj < 0 and "cap_add" not in d
     if settings.metrics_listen:
         port = settings.metrics_listen.rsplit(":", 1)[1]
         assert settings.metrics_listen.startswith("0.0.0.0:")  # reachable through the published port
@@ -335,6 +338,16 @@ def pod_env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def check_guaranteed(pod: dict, settings: config_lib.Config, where: str) -> None:
+    """The daemon's pod is node-critical and Guaranteed (requests == limits in every container), so the kubelet
+    gives it the oom_score_adj -997, and the daemon keeps that score."""
+    assert pod["priorityClassName"] == "system-node-critical", where
+    for c in [*pod["containers"], *pod.get("initContainers", [])]:
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        assert {"cpu", "memory"} <= set(limits) and requests == limits, (where, c["name"])
+    assert settings.oom_score_adj == -997, where
+
+
 def test_k8s_configmap():
     cm = load_k8s()["ConfigMap"]
     data = cm["data"]
@@ -377,6 +390,7 @@ def test_k8s_daemonset():
     assert {"name": "metrics", "containerPort": int(port)} in c["ports"]
     grace = float(cm["data"]["XREDUCE_GRACE_SECONDS"])
     assert spec["terminationGracePeriodSeconds"] > grace
+    check_guaranteed(spec, check_settings(cm["data"], "ConfigMap"), "DaemonSet")
 
 
 def test_k8s_trainer_job():
@@ -454,6 +468,7 @@ def test_k8s_cluster_daemonset():
     (init,) = spec["initContainers"]
     assert f"chown {uid}:{gid} {SOCKET_DIR}" in " ".join(init["command"])
     assert spec["terminationGracePeriodSeconds"] > float(cm["data"]["XREDUCE_GRACE_SECONDS"])
+    check_guaranteed(spec, check_settings(cm["data"], "cluster ConfigMap"), "cluster DaemonSet")
 
 
 def test_k8s_cluster_service_and_job():
