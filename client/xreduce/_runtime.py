@@ -210,6 +210,16 @@ class Runtime:
                 found = self._sessions[key] = make()
             return found
 
+    def adopt(self, array: object) -> None:
+        """Has every open shared-memory session register ``array``'s segment now (see
+        :meth:`xreduce._shared_memory.SharedMemory.adopt`)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            adopt = getattr(session, "adopt", None)
+            if adopt is not None:
+                adopt(array)
+
     def shutdown(self) -> None:
         """Ends every session of this process and unlinks every segment it made (run at exit)."""
         with self.releases.paused():

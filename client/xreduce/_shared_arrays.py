@@ -13,7 +13,9 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
     """A zero-filled numpy array in POSIX shared memory: the SDK sends it to a
     daemon on the same host without copying a byte.
 
-    The memory is freed when the array and every view of it are gone.
+    The memory is freed when the array and every view of it are gone. Where
+    this process already has a shared-memory session with a daemon, the
+    daemon maps the array here, not at the first call that sends it.
 
     Args:
         shape: as for ``numpy.zeros``.
@@ -31,7 +33,10 @@ def shared_array(shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
         >>> x.sum(), x.dtype
         (np.float32(9.0), dtype('float32'))
     """
-    return _runtime.default().shared_arrays.allocate(shape, dtype)
+    runtime = _runtime.default()
+    array = runtime.shared_arrays.allocate(shape, dtype)
+    runtime.adopt(array)
+    return array
 
 
 def find(array: np.ndarray) -> tuple[str, int, int] | None:

@@ -270,6 +270,17 @@ class SharedMemory:
             self._register(where[0], where[2])
         return where
 
+    def adopt(self, array: np.ndarray) -> None:
+        """Registers the :func:`xreduce.shared_array` segment of ``array`` now, if this process's session with
+        the daemon is open: the daemon maps it at once, not at the first call that sends it. Never raises (that
+        call reports what went wrong)."""
+        with self._lock:
+            session = self._session
+        if session is None or not session.alive.is_set():
+            return
+        with contextlib.suppress(Exception):
+            self._located(array)
+
     def place(self, array: np.ndarray) -> tuple[pb.RegionSlice, Placed] | None:
         """An output slice that is ``array`` itself, when it lies in a :func:`xreduce.shared_array` segment at
         a multiple of :data:`~xreduce.wire.layout.OUTPUT_ALIGNMENT`: the daemon then writes the result there,
