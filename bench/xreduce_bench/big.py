@@ -177,6 +177,7 @@ def _run_processes(processes: int, args: argparse.Namespace, tmp: str, progress:
     reporter.line(f"\n## {run.title}")
     for size, why in skipped.items():
         reporter.line(f"# {human_size(size)}: skipped: {why}")
+    progress.done += len(skipped) * (1 + len(args.peers))
     if not sizes:
         return run
     workers = [f"process {k}" for k in range(processes)]

@@ -171,10 +171,11 @@ def memory_table(run: Run) -> list[str]:
         >>> w = Window(4, 300 << 20, 250 << 20, 64 << 20, {"process 0": {"rss_anon": 100 << 20, "rss_shmem": 0}})
         >>> x = BigResult("xreduce", "", [Row(64 << 20, 1, [0.1, 0.1])], baseline=w, memory={64 << 20: w})
         >>> print("\\n".join(memory_table(Run(2, [64 << 20], {}, x))))  # doctest: +NORMALIZE_WHITESPACE
-        #   size  system  baseline    peak   peak+  shm  per process: peak RssAnon/RssShmem
+        #   size  system  baseline    peak   peak+    shm  per process: peak RssAnon/RssShmem
         64 MiB  xreduce    250.0   300.0    50.0   64.0  process 0 100.0/0.0
     """
-    lines = ["#   size  system  baseline    peak   peak+  shm  per process: peak RssAnon/RssShmem"]
+    lines = [f"#{'size':>7} {'system':>7} {'baseline':>9} {'peak':>7} {'peak+':>7} {'shm':>6}  per process: peak "
+             "RssAnon/RssShmem"]
     for size in run.sizes:
         for system in (run.xreduce, run.gloo):
             w = system.memory.get(size) if system is not None else None

@@ -14,9 +14,10 @@ one window into its peaks and forgets every sample up to its end, so what is
 kept is the phase that runs (at most :data:`MAX_SAMPLES`).
 
 The watch also guards a shared machine: when ``MemAvailable`` falls under
-``floor`` bytes it kills the job's workers (SIGKILL, by their pids: its own
-children; never the daemon, which the run stops itself) and says why in
-:attr:`Footprint.starved`, before the kernel's OOM killer picks someone else's.
+``floor`` bytes it kills the job's workers (SIGKILL, by their pids, each while
+it is still this process's child; never the daemon, which the run stops
+itself) and says why in :attr:`Footprint.starved`, before the kernel's OOM
+killer picks someone else's process.
 """
 
 from __future__ import annotations
@@ -162,12 +163,22 @@ class Footprint(Sampler):
         with self._lock:
             self._samples.append(sample)
         available = mem_available()
-        if available < self.floor and self.starved is None:
-            self.starved = (f"MemAvailable fell to {available / (1 << 20):.0f} MiB (under "
-                            f"{self.floor / (1 << 20):.0f} MiB): the workers were stopped before the machine ran out")
+        if available < self.floor:
+            self.starved = self.starved or (
+                f"MemAvailable fell to {available / (1 << 20):.0f} MiB (under {self.floor / (1 << 20):.0f} MiB): "
+                "the workers were stopped before the machine ran out")
             for pid, worker in pids.values():
-                if worker:
+                if worker and _parent(pid) == os.getpid():  # still this process's child: not a pid reused
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid of ``pid`` (``/proc/PID/stat``), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
