@@ -110,8 +110,8 @@ class Footprint(Sampler):
     Example:
         >>> with Footprint(period=0.01) as fp:
         ...     fp.watch("process 0", os.getpid())
-        ...     start = time.monotonic(); time.sleep(0.1); end = time.monotonic()
-        ...     w = fp.window(start, end, ["process 0"])
+        ...     start = time.monotonic()
+        >>> w = fp.window(start, time.monotonic(), ["process 0"])  # stopping took a last sample
         >>> w.samples > 0, w.peak >= w.median > 0, sorted(w.processes["process 0"])
         (True, True, ['rss_anon', 'rss_shmem'])
     """
