@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from xreduce_bench import big_report as report
-from xreduce_bench.big_workers import BigSpec, big_worker, gloo_start, xreduce_start
+from xreduce_bench.big_workers import SPOTS, BigSpec, big_worker, gloo_start, xreduce_start
 from xreduce_bench.daemon import device_names, embedded_daemon
 from xreduce_bench.footprint import PERIOD, Footprint, mem_available
 from xreduce_bench.peers import _BENCH_EXTRA, gloo_env, peer_unavailable
@@ -255,7 +255,9 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
     if args.json:
         about = {"date": time.strftime("%Y-%m-%d"), "in_place": args.in_place, "iters": args.iters,
                  "sizes": args.sizes, "processes": args.processes, "peers": args.peers, "cores": os.cpu_count(),
-                 "fit": {"factor": FIT_FACTOR, "spare": FIT_SPARE}, "sample_period_s": PERIOD, "header": header}
+                 "fit": {"factor": FIT_FACTOR, "spare": FIT_SPARE}, "sample_period_s": PERIOD, "header": header,
+                 "checked": f"process k holds k + 1; each result but the last checked at {SPOTS} elements, the "
+                            "last at every element"}
         with open(args.json, "w") as f:
             json.dump(report.to_json(runs, about), f, indent=1)
     if args.plot:
