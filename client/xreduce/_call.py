@@ -72,6 +72,9 @@ class ReduceCall:
     """This process's place in a multi-process collective, or None for a single-process call."""
     single: bool = False
     """One pair from ``reduce`` (the ``Reduce`` RPC) rather than a batch (``BatchReduce``)."""
+    out: np.ndarray | None = None
+    """Where the caller wants the result of a one-pair call with one destination, if a path can have the
+    daemon write it there (shared memory, an ``out`` in a :func:`xreduce.shared_array`); else it is copied."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,6 +115,15 @@ def describe_groups(groups) -> list[str]:
     return lines
 
 
+def _big_tensors() -> str:
+    """This SDK's bound on a job's memory for big tensors (docs/operations.md, "Memory")."""
+    from xreduce import _chunks
+
+    per_process = _chunks.PROCESS_OVERHEAD_BYTES
+    return (f"chunks of {human_bytes(_chunks.chunk_bytes())}; a job's memory <= 2·P·S + P·{human_bytes(per_process)}"
+            f" + {human_bytes(_chunks.DAEMON_OVERHEAD_BYTES)} (P·S with out=)")
+
+
 def describe_status(status, address: str) -> str:
     """``xreduce status``'s text for a ``GetStatusResponse``."""
     security = ", ".join(
@@ -144,6 +153,7 @@ def describe_status(status, address: str) -> str:
         f"  max message bytes    {human_bytes(lim.max_message_bytes)} ({lim.max_message_bytes})",
         f"  collective timeout   {lim.collective_timeout_seconds:g}s",
         f"  workers              {lim.workers}",
+        f"  big tensors          {_big_tensors()}",
         "",
         "now",
         f"  in-flight bytes      {human_bytes(status.inflight_bytes)} ({status.inflight_bytes})",

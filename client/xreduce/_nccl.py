@@ -93,7 +93,7 @@ class NcclAllReduce(CrossDeviceOps):
         super().__init__(address, token, transport, options=options)
 
     def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
-               options: CommunicationOptions | None, single: bool) -> list[Any]:
+               options: CommunicationOptions | None, single: bool, outs: list[Any] | None = None) -> list[Any]:
         group = self._group()
         names = self._local_names(group)
         used = []
@@ -104,7 +104,7 @@ class NcclAllReduce(CrossDeviceOps):
         refusal = nccl_refusal(self.client.list_devices(), list(dict.fromkeys(used)))
         if refusal is not None:
             raise InvalidArgumentError(refusal, grpc.StatusCode.INVALID_ARGUMENT)
-        return super()._batch(op, pairs, options, single)
+        return super()._batch(op, pairs, options, single, outs)
 
     def _algorithm(self) -> Algorithm:
         return Algorithm("nccl", num_packs=self.num_packs)

@@ -15,15 +15,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from xreduce import _sparse, _transports
+from xreduce import _chunks, _ipc, _out, _sparse, _transports
 from xreduce._arrays import check_dtype, device_of, is_tensor, to_host
 from xreduce._call import Algorithm, BroadcastCall, Pair, ReduceCall
 from xreduce._client import Client
+from xreduce._errors import DeadlineExceededError
 from xreduce._job_devices import DaemonName, job_devices, reduce_to, to_daemon
 from xreduce._options import ConnectionOptions, merge
 from xreduce._runtime import ProcessGroup, process_group
@@ -256,7 +258,7 @@ class CrossDeviceOps:
         return process_group(self._client.address)
 
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
-               options: CommunicationOptions | None = None) -> Any:
+               options: CommunicationOptions | None = None, *, out: Any = None) -> Any:
         """Reduces ``per_replica_value`` to ``destinations``.
 
         Args:
@@ -267,10 +269,16 @@ class CrossDeviceOps:
             destinations: a device string, a :class:`DistributedValues` (its
                 devices), or a list of device strings.
             options: :class:`CommunicationOptions`.
+            out: where the result goes (not TF's; gloo's and MPI's in-place
+                form): a numpy array for one destination device, else a list
+                with one per destination; it may be the input itself. See
+                :mod:`xreduce._out`. Values of more than 64 MiB a replica are
+                reduced in chunks either way (:mod:`xreduce._chunks`).
 
         Returns:
             A :class:`Mirrored` over the destination devices, or a plain array
-            when there is one destination device; ``IndexedSlices`` for a sparse value.
+            when there is one destination device; ``IndexedSlices`` for a sparse value;
+            with ``out``, the ``out`` arrays holding the result.
 
         Raises:
             ValueError: TF's client-side checks; a value of a dtype the daemon
@@ -289,19 +297,30 @@ class CrossDeviceOps:
             ...     v = PerReplica([np.array([1.0]), np.array([2.0])], devices=["CPU:0", "CPU:1"])
             ...     ops.reduce("sum", v, v).values
             (array([3.]), array([3.]))
+
+            In place (``out``):
+
+            >>> with xreduce.serve_embedded():
+            ...     a, b = np.array([1.0, 2.0]), np.array([3.0, 4.0])
+            ...     v = PerReplica([a, b], devices=["CPU:0", "CPU:1"])
+            ...     r = HierarchicalCopyAllReduce().reduce("sum", v, v, out=[a, b])
+            >>> r.values[0] is a, a
+            (True, array([4., 6.]))
         """
         op = ReduceOp.from_value(reduce_op)
         value = _as_per_replica(per_replica_value, "per_replica_value")
         validate_destinations(destinations)
-        return self._batch(op, [(value, destinations)], options, single=True)[0]
+        return self._batch(op, [(value, destinations)], options, single=True, outs=[out])[0]
 
     def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
-                     options: CommunicationOptions | None = None) -> list[Any]:
+                     options: CommunicationOptions | None = None, *, out: Any = None) -> list[Any]:
         """Reduces each (value, destinations) pair; pairs that all-reduce over
         one device set are packed together (``num_packs``).
 
         A batch that mixes dense and sparse values is split as TF splits it: the
         dense ones are reduced (and packed) together, the sparse ones concatenated.
+        ``out``, when given, is a list with one entry per pair, each None or
+        what :meth:`reduce` takes as ``out``.
 
         Returns:
             A list with one result per pair (as :meth:`reduce` returns them);
@@ -319,7 +338,11 @@ class CrossDeviceOps:
                  for i, (v, d) in enumerate(_check_pairs(value_destination_pairs))]
         for _, d in pairs:
             validate_destinations(d)
-        return self._batch(op, pairs, options, single=False)
+        if out is not None and (isinstance(out, np.ndarray) or not isinstance(out, Sequence)
+                                or len(out) != len(pairs)):
+            raise ValueError(f"out must be a list with one entry (None or the pair's arrays) per pair, "
+                             f"{len(pairs)}; got {_out.describe(out)}")
+        return self._batch(op, pairs, options, single=False, outs=list(out) if out is not None else None)
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copies ``tensor`` to every destination device.
@@ -378,7 +401,7 @@ class CrossDeviceOps:
         return [canonical(d) for d in destinations]
 
     def _batch(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
-               options: CommunicationOptions | None, single: bool) -> list[Any]:
+               options: CommunicationOptions | None, single: bool, outs: list[Any] | None = None) -> list[Any]:
         options = options or CommunicationOptions()
         group = self._group()
         if not pairs and group is None:
@@ -387,34 +410,139 @@ class CrossDeviceOps:
         given = tuple(Pair(value, tuple(value._resolve_devices(names)), tuple(self._destination_names(dest, names)))
                       for value, dest in pairs)
         fields = [_pair_fields(dest, k, single) for k, (_, dest) in enumerate(pairs)]
+        outs = outs if outs is not None and any(o is not None for o in outs) else None
+
+        def check() -> list[list[np.ndarray] | None]:
+            if outs is None:
+                return [None] * len(given)
+            return [_out.checked(o, p, op.value, "out" if single else f"out[{k}]")
+                    for k, (o, p) in enumerate(zip(outs, given))]
+
         if group is not None:
             if self._accumulate() is not None:
                 raise ValueError("accumulation_fn runs in one process; it cannot reduce across the processes "
                                  f"of group {group.group!r}")
-            return self._send(op, given, fields, options, group, single)
+            return self._send(op, given, fields, options, group, single, check)
         wire = tuple(_to_daemon(p, f, None) for p, f in zip(given, fields))
         accumulate = self._accumulate()
         if accumulate is not None:
-            return self._accumulated_batch(op, accumulate, given, wire, fields, options, single)
+            arrays = check()
+            return [_out.written(r, a) for r, a in
+                    zip(self._accumulated_batch(op, accumulate, given, wire, fields, options, single), arrays)]
         # TF's shortcut: one replica whose destinations are its own device (never across processes).
         first = set(wire[0].devices) if wire else set()
         if len(first) == 1 and all(set(p.devices) == set(p.destinations) == first for p in wire):
-            return [_regroup_local(p.value) for p in wire]
-        return self._send(op, given, fields, options, None, single)
+            arrays = check()
+            return [_out.written(_regroup_local(p.value), a) for p, a in zip(wire, arrays)]
+        return self._send(op, given, fields, options, None, single, check)
 
     def _send(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]],
-              options: CommunicationOptions, group: ProcessGroup | None, single: bool) -> list[Any]:
+              options: CommunicationOptions, group: ProcessGroup | None, single: bool,
+              check: Callable[[], list[list[np.ndarray] | None]] | None = None) -> list[Any]:
         """The pairs as the caller named them reduced: their devices mapped to the daemon's names inside the
-        collective (a refused name fails it for every process), the results named as the caller named them."""
+        collective (a refused name or ``out``, checked by ``check``, fails it for every process), the results
+        named as the caller named them and written into the ``out`` arrays ``check`` returns. Host values of
+        more than :func:`xreduce._chunks.chunk_bytes` a replica go in chunks (:meth:`_chunked`)."""
+        check = check or (lambda: [None] * len(given))
+        if _chunked_call(given, self._algorithm()):
+            return self._chunked(op, given, fields, options, group, check)
+        arrays: list[list[np.ndarray] | None] = []
+
+        def checked() -> np.ndarray | None:
+            arrays.extend(check())
+            return arrays[0][0] if len(arrays) == 1 and arrays[0] is not None and len(arrays[0]) == 1 else None
+
+        results = self._send_once(op, given, fields, options.timeout_seconds, group, single, checked)
+        return [_out.written(r, a) for r, a in zip(results, arrays)]
+
+    def _send_once(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]],
+                   timeout: float | None, group: ProcessGroup | None, single: bool,
+                   check: Callable[[], np.ndarray | None] | None = None) -> list[Any]:
+        """One collective of ``given``: ``check`` runs first inside it (what it raises fails every process) and
+        returns where the daemon may write a one-pair call's result (:attr:`xreduce._call.ReduceCall.out`)."""
         algorithm = self._algorithm()
         with _transports.collective(self._client, group) as spec:
+            out = check() if check is not None else None
             wire = tuple(_to_daemon(p, f, group) for p, f in zip(given, fields))
             if algorithm.reduce_to_device:
                 algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device,
                                                                                         group))
-            call = ReduceCall(op.value, wire, algorithm, options.timeout_seconds, spec, single)
+            call = ReduceCall(op.value, wire, algorithm, timeout, spec, single, out)
             results = _transports.choose(self._client, call).reduce(call)
         return [_relabel(r, dict(zip(w.destinations, p.destinations))) for r, w, p in zip(results, wire, given)]
+
+    def _chunked(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]],
+                 options: CommunicationOptions, group: ProcessGroup | None,
+                 check: Callable[[], list[list[np.ndarray] | None]]) -> list[Any]:
+        """``given`` reduced in chunks of at most :func:`xreduce._chunks.chunk_bytes` a replica, one collective
+        each, the results copied into arrays allocated once (or the ``out`` arrays); in a job, after the
+        processes agreed on the chunks."""
+        deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+        most = _chunks.chunk_bytes()
+        arrays: list[list[np.ndarray] | None] = []
+
+        def checked() -> None:
+            arrays.extend(check())
+
+        if group is not None:
+            replicas = self._agree(op, given, fields, most, group, _left(deadline, options), checked)
+            most = _chunks.per_replica(most, -(-replicas // group.num_processes))
+        else:
+            checked()
+            most = _chunks.per_replica(most, len(given[0].devices))
+        owned = [a is None for a in arrays]  # result arrays this call allocates (given back in the caller's type)
+        for k, p in enumerate(given):
+            if arrays[k] is None:
+                first = p.value.hosts()[0].array
+                arrays[k] = [np.empty(first.shape, _out.result_dtype(op.value, first.dtype)) for _ in p.destinations]
+        flats = [[_chunks.flat(h.array) for h in p.value.hosts()] for p in given]
+        chunks = _chunks.plan([(f[0].size, f[0].itemsize) for f in flats], most)
+        devices: list[tuple[str, ...] | None] = [None] * len(given)  # per pair, its results' devices
+
+        def send(n: int, chunk: list[_chunks.Piece], numbered: Callable[[], None]) -> list[Any]:
+            pieces = tuple(Pair(PerReplica([f[a:b] for f in flats[k]], devices=list(given[k].devices)),
+                                given[k].devices, given[k].destinations) for k, a, b in chunk)
+            (k, a, b) = chunk[0]
+
+            def out() -> np.ndarray | None:
+                numbered()
+                return arrays[k][0].reshape(-1)[a:b] if len(chunk) == 1 and len(arrays[k]) == 1 else None
+
+            return self._send_once(op, pieces, [fields[k] for k, _, _ in chunk], _left(deadline, options, n,
+                                   len(chunks)), group, len(pieces) == 1 and len(given) == 1, out)
+
+        def copy_out(chunk: list[_chunks.Piece], results: list[Any]) -> None:
+            for (k, a, b), r in zip(chunk, results):
+                devices[k] = _out.devices_of(r)  # not r: a view of an output segment keeps it from its pool
+                for dest, v in zip(arrays[k], r.values if isinstance(r, Mirrored) else (r,)):
+                    _out.copy_into(dest.reshape(-1)[a:b], np.asarray(v).reshape(-1))
+
+        _chunks.pipelined(chunks, send, copy_out)
+        restores = [p.value.hosts()[0].restore if mine else _as_is for p, mine in zip(given, owned)]
+        return [_out.like(d, [restore(x) for x in a]) for d, a, restore in zip(devices, arrays, restores)]
+
+    def _agree(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]], most: int,
+               group: ProcessGroup, timeout: float | None, check: Callable[[], None]) -> int:
+        """Every process of ``group`` checks that the others cut the same chunks (:func:`xreduce._chunks.agreed`)
+        before the first one; a mismatch raises the same ``ValueError`` in each.
+
+        Returns:
+            The number of replicas of the job."""
+        first = given[0]
+        mine = _chunks.signature(op.value, given, most)
+        value = PerReplica(list(_chunks.agreement(mine, len(first.devices))), devices=list(first.devices))
+        pair = Pair(value, first.devices, first.devices)
+        (total,) = self._send_once(ReduceOp.SUM, (pair,), [(fields[0][0], fields[0][0])], timeout, group, True,
+                                   check)
+        total = total.values[0] if isinstance(total, Mirrored) else total
+        replicas = _chunks.agreed(np.asarray(total))
+        if replicas is None:
+            shapes = [(tuple(h.shape), h.dtype.name) for h in (p.value.hosts()[0].array for p in given)]
+            raise ValueError(f"the processes of group {group.group!r} reduce different values: this process's "
+                             f"{op.value} of {shapes} (over {_chunks.chunk_bytes()} bytes a replica, so in chunks) "
+                             "does not match another process's; every process must pass the same shapes and dtypes "
+                             "(and the same XREDUCE_CHUNK_BYTES)")
+        return replicas
 
     def _accumulated_batch(self, op: ReduceOp, accumulate: Callable, given: tuple[Pair, ...], wire: tuple[Pair, ...],
                            fields: list[tuple[str, str]], options: CommunicationOptions, single: bool) -> list[Any]:
@@ -439,6 +567,44 @@ class CrossDeviceOps:
     def close(self) -> None:
         """Closes the connection to the daemon."""
         self._client.close()
+
+
+def _chunked_call(given: tuple[Pair, ...], algorithm: Algorithm) -> bool:
+    """Whether ``given`` goes in chunks: dense host values (no CuPy) of more than
+    :func:`xreduce._chunks.chunk_bytes` a replica, reduced by an algorithm that sums in the same order
+    whatever the packing (not NCCL's). A packed batch of mixed dtypes goes whole, for the daemon to refuse
+    as it refuses it unchunked."""
+    if algorithm.name == "nccl" or not given:
+        return False
+    for p in given:
+        if _sparse.is_sparse(p.value.values) or any(_ipc.is_cupy(v) for v in p.value.values):
+            return False
+    most = _chunks.chunk_bytes()
+    try:
+        if algorithm.num_packs and len({p.value.hosts()[0].array.dtype for p in given}) > 1:
+            return False
+        return _chunks.replica_bytes(given) > most
+    except ValueError:
+        return False  # a bad value: the call fails inside its collective, for every process
+
+
+def _left(deadline: float | None, options: CommunicationOptions, done: int = 0, chunks: int = 1) -> float | None:
+    """Seconds left of ``options.timeout_seconds`` (None: no bound).
+
+    Raises:
+        xreduce.DeadlineExceededError: none left, after ``done`` of ``chunks`` chunks.
+    """
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(f"options.timeout_seconds {options.timeout_seconds} passed after {done} of "
+                                    f"{chunks} chunks of the reduce")
+    return left
+
+
+def _as_is(a: np.ndarray) -> np.ndarray:
+    return a
 
 
 def _pair_fields(destinations: Any, k: int, single: bool) -> tuple[str, str]:

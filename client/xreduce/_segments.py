@@ -29,7 +29,10 @@ from xreduce.wire import codec
 SHM_DIR = "/dev/shm"
 MIN_SEGMENT_BYTES = 1 << 20
 FREE_SEGMENTS_KEPT = 4
-"""Free staging/output segments a client keeps mapped for the next calls."""
+"""Free staging/output segments a client keeps mapped for the next calls (per pool)."""
+FREE_BYTES_KEPT = 256 << 20
+"""Bytes of free segments a pool keeps, at most: the largest go first, so that a big call's segments are
+returned to the system once it is done (a chunked reduce needs ``IN_FLIGHT`` x 64 MiB per pool)."""
 
 _reaper = Reaper(SHM_DIR)
 
@@ -335,7 +338,7 @@ class SharedArrays:
 
 class SegmentPool:
     """Reusable segments (staging or output) of one daemon's shared memory; at most
-    :data:`FREE_SEGMENTS_KEPT` stay mapped while free.
+    :data:`FREE_SEGMENTS_KEPT` of at most :data:`FREE_BYTES_KEPT` in all stay mapped while free.
 
     Args:
         drop: called with each segment the pool lets go of.
@@ -370,7 +373,8 @@ class SegmentPool:
         return Segment(max(MIN_SEGMENT_BYTES, 1 << max(nbytes - 1, 1).bit_length()), self._prefix)
 
     def release(self, seg: Segment) -> None:
-        """Takes ``seg`` back for reuse; drops the smallest free ones beyond :data:`FREE_SEGMENTS_KEPT`."""
+        """Takes ``seg`` back for reuse; drops the smallest free ones beyond :data:`FREE_SEGMENTS_KEPT`, then
+        the largest beyond :data:`FREE_BYTES_KEPT`."""
         if seg.pid != os.getpid():  # a forked child's copy: the segment is its parent's
             return
         with self._lock:
@@ -383,6 +387,10 @@ class SegmentPool:
                 smallest = min(self._free, key=lambda s: s.size)
                 self._free.remove(smallest)
                 drop.append(smallest)
+            while sum(s.size for s in self._free) > FREE_BYTES_KEPT:
+                largest = max(self._free, key=lambda s: s.size)
+                self._free.remove(largest)
+                drop.append(largest)
         for s in drop:
             self._drop(s)
 

@@ -231,10 +231,7 @@ class SharedMemory:
         placed: list[tuple[str, int, int] | None] = []
         need = 0
         for a in arrays:
-            where = self._find(a)
-            if where is not None and where[0] not in self._registered:
-                self._arrays.add_user(where[0], self)
-                self._register(where[0], where[2])
+            where = self._located(a)
             if where is None:
                 need += -need % OUTPUT_ALIGNMENT + a.nbytes
             placed.append(where)
@@ -264,6 +261,37 @@ class SharedMemory:
                 self._staging.release(seg)
 
         return tensors, free
+
+    def _located(self, a: np.ndarray | Fused) -> tuple[str, int, int] | None:
+        """Where ``a`` lies in a shared_array segment (registered with the daemon now if it was not), else None."""
+        where = self._find(a)
+        if where is not None and where[0] not in self._registered:
+            self._arrays.add_user(where[0], self)
+            self._register(where[0], where[2])
+        return where
+
+    def place(self, array: np.ndarray) -> tuple[pb.RegionSlice, Placed] | None:
+        """An output slice that is ``array`` itself, when it lies in a :func:`xreduce.shared_array` segment at
+        a multiple of :data:`~xreduce.wire.layout.OUTPUT_ALIGNMENT`: the daemon then writes the result there,
+        and nothing is copied; else None.
+
+        Example:
+            >>> import xreduce
+            >>> from xreduce import _runtime
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     runtime = _runtime.Runtime()
+            ...     shm = SharedMemory(xreduce.Client(transport="wire"), runtime.releases, runtime.shared_arrays)
+            ...     shm.place(np.zeros(4)) is None, shm.place(runtime.shared_arrays.allocate(4, "float32"))[0].offset
+            ...     shm.close()
+            (True, 0)
+        """
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            return None
+        where = self._located(array)
+        if where is None or where[1] % OUTPUT_ALIGNMENT:
+            return None
+        output = pb.RegionSlice(name=where[0], offset=where[1], byte_size=array.nbytes)
+        return output, Placed(array, output)
 
     def _find(self, a: np.ndarray | Fused) -> tuple[str, int, int] | None:
         """Where ``a`` lies in a shared_array segment (a fused value: all its parts back to back), else None."""
@@ -362,6 +390,36 @@ class Output:
         """The call got no answer: the daemon may still write here, so the segment is never reused."""
         if self._finalizer.detach() is not None and self._seg.pid == os.getpid():
             self._discard(self._seg)
+
+
+class Placed:
+    """A result the daemon writes into the caller's own array (:meth:`SharedMemory.place`): the reply names
+    the array's slice, and the result is the array.
+
+    Example:
+        >>> a = np.zeros(2, np.float32)
+        >>> slice_ = pb.RegionSlice(name="x", offset=0, byte_size=8)
+        >>> t = pb.Tensor(dtype=codec.dtype_enum(a.dtype), shape=[2], region=slice_)
+        >>> Placed(a, slice_)(t) is a
+        True
+    """
+
+    def __init__(self, array: np.ndarray, output: pb.RegionSlice):
+        self._array, self._output = array, output
+
+    def __call__(self, tensor: pb.Tensor) -> np.ndarray:
+        """The array, when ``tensor`` names its slice; else what the daemon sent, decoded."""
+        if not tensor.HasField("region"):
+            return codec.decode(tensor)
+        r, o = tensor.region, self._output
+        dtype, shape = codec.spec(tensor)
+        if (r.name, r.offset, r.byte_size) != (o.name, o.offset, o.byte_size) or dtype != self._array.dtype:
+            raise ValueError(f"the daemon placed a result at {r.name}[{r.offset}:+{r.byte_size}], not in the "
+                             f"caller's array at {o.name}[{o.offset}:+{o.byte_size}]")
+        return self._array if self._array.shape == tuple(shape) else self._array.reshape(shape)
+
+    def abandon(self) -> None:
+        """Nothing to let go: the array is the caller's."""
 
 
 def _region_tensor(array: np.ndarray | Fused, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:

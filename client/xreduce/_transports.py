@@ -284,6 +284,11 @@ class _RegionsPath(Transport):
         :mod:`xreduce._fusion`); this path sends every pair as it is."""
         return call, _as_they_are
 
+    def _placed(self, call: ReduceCall) -> tuple[pb.RegionSlice, Any] | None:
+        """The output slice and its reader when the daemon can write ``call``'s result into ``call.out``;
+        this path cannot."""
+        return None
+
     def reduce(self, call: ReduceCall) -> list[Any]:
         given = call
         call, finish = self._fuse(call)
@@ -291,7 +296,8 @@ class _RegionsPath(Transport):
         try:
             tensors, free = stager.stage(arrays)
             try:
-                output, result = stager.output(output_layout([
+                placed = self._placed(call) if call is given else None
+                output, result = placed or stager.output(output_layout([
                     (len(p.destinations), mean_dtype(first.dtype) if call.op == "MEAN" else first.dtype,
                      tuple(first.shape)) for p, first in zip(call.pairs, firsts)]).nbytes)
             except BaseException:
@@ -334,6 +340,11 @@ class SharedMemoryPath(_RegionsPath):
     def _fuse(self, call: ReduceCall) -> tuple[ReduceCall, Callable[[list[Any]], list[Any]]]:
         plan = None if call.single else _fusion.groups(call.pairs)
         return (call, _as_they_are) if plan is None else _fusion.fuse(call, plan)
+
+    def _placed(self, call: ReduceCall) -> tuple[pb.RegionSlice, Any] | None:
+        if call.out is None or len(call.pairs) != 1 or len(call.pairs[0].destinations) != 1:
+            return None
+        return self._shm.place(call.out)
 
     def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
         hosts = [p.value.hosts() for p in call.pairs]

@@ -385,7 +385,7 @@ def execute_fused(
     input_bytes = sum(a.nbytes for component in inputs for a in component)
     if threads is None:
         threads = THREADS if input_bytes >= PARALLEL_BYTES else 1
-    run = _Runner(plan, sources, flat_sinks, mean, deadline)
+    run = _Runner(plan, sources, flat_sinks, mean, deadline, _aliased(sources, flat_sinks))
     if threads <= 1 or len(units) <= 1:
         run(units)
     else:
@@ -401,8 +401,11 @@ def execute_fused(
 class _Runner:
     """Evaluates chunks of a plan; one instance per call, shared by its threads."""
 
-    def __init__(self, plan, sources, sinks, mean, deadline):
+    def __init__(self, plan, sources, sinks, mean, deadline, aliased=False):
         self.plan, self.sources, self.sinks, self.mean, self.deadline = plan, sources, sinks, mean, deadline
+        self.aliased = aliased
+        """A sink shares memory with an input (an in-place reduce: a caller's output region is its input's):
+        every sum then goes to scratch, and the sinks are written once a chunk's inputs have all been read."""
         self.failed = False
         """Set by a thread that failed: the others stop at their next chunk."""
 
@@ -423,7 +426,7 @@ class _Runner:
             # The sum that is a result goes straight into the first destination that takes it (and a float
             # MEAN divides it there, in place): no scratch write and read, no array made per chunk.
             direct = {}
-            if program.results:
+            if program.results and not self.aliased:
                 kind, p = program.results[0]
                 if kind == "sum" and (not self.mean or _divides_in_place(dtype, sinks[0].dtype)):
                     direct[p] = sinks[0]
@@ -480,6 +483,18 @@ class _Runner:
         except BaseException:
             self.failed = True  # the other threads stop at their next chunk
             raise
+
+
+def _aliased(sources: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]]) -> bool:
+    """Whether an output shares memory with an input (bounds only: cheap, and cautious).
+
+    Example:
+        >>> a = np.zeros(4)
+        >>> _aliased([[a]], {0: [a[:2]]}), _aliased([[a]], {0: [np.zeros(4)]})
+        (True, False)
+    """
+    return any(np.may_share_memory(sink, src) for arrays in sinks.values() for sink in arrays
+               for component in sources for src in component)
 
 
 def _divides_in_place(dtype: np.dtype, result: np.dtype) -> bool:
