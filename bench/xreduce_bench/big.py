@@ -132,15 +132,12 @@ class _Phases:
 
     def __init__(self, system: report.BigResult, fp: Footprint, sweep: Sweep, names: Sequence[str]):
         self.system, self.fp, self.sweep, self.names = system, fp, sweep, list(names)
-        self.idle: list[float] = []
         self.windows: dict[int, list[tuple[float, float]]] = {}
 
     def __call__(self, message: tuple) -> None:
         kind, rank = message[0], message[1]
         if kind == "ready":
             self.fp.watch(f"process {rank}", message[2])
-        elif kind == "idle":
-            self.idle.append(message[2])
         elif kind == "window":
             index, begin, end = message[2:]
             spans = self.windows.setdefault(index, [])
@@ -148,8 +145,8 @@ class _Phases:
             if len(spans) < self.sweep.processes:
                 return
             start = min(b for b, _ in spans)
-            if index == 0:  # every process idle, until the first allocates
-                self.system.baseline = self.fp.window(max(self.idle), start, self.names)
+            if index == 0:  # every sample of the whole job before the first allocation: all initialized, idle
+                self.system.baseline = self.fp.window(0.0, start, self.names)
             self.system.memory[self.sweep.sizes[index]] = self.fp.window(start, max(e for _, e in spans), self.names)
 
 

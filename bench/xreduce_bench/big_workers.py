@@ -3,8 +3,10 @@
 A worker (:func:`big_worker`, run by ``workers._run_pool``) readies its system
 with ``start(spec, rank) -> (prepare, close)`` (:func:`xreduce_start`: the
 SDK's ``distribution.initialize``; :func:`gloo_start`:
-``init_process_group``), reports its pid, stays idle a moment (the idle
-baseline of the memory), then for each size, ascending:
+``init_process_group``), reports its pid (``("ready", rank, pid)``), stays idle
+a moment once every process is ready (the idle baseline of the memory: the
+parent's samples of the whole job before the first size), then for each size,
+ascending:
 
 1. waits at a barrier until every process has let the last size go;
 2. ``prepare(size)`` allocates its float32 array, filled (every page touched);
@@ -30,7 +32,7 @@ import numpy as np
 
 from xreduce_bench.workers import _fail
 
-HOLD = 0.2
+HOLD = 0.3
 """Seconds a worker holds a phase's memory at least (idle, then each size), so the parent's sampler sees it."""
 CHUNK = 1 << 24
 """Elements compared at a time in the last check: its temporary stays at 16 MiB whatever the size."""
@@ -122,8 +124,7 @@ def big_worker(start: Callable, spec: BigSpec, sweep, rank: int, barrier, queue)
         prepare, close = start(spec, rank)
         queue.put(("ready", rank, os.getpid()))
         barrier.wait(sweep.timeout)
-        queue.put(("idle", rank, time.monotonic()))
-        time.sleep(HOLD)
+        time.sleep(HOLD)  # idle: the baseline
         for index, size in enumerate(sweep.sizes):
             barrier.wait(sweep.timeout)  # every process has let the last size go
             begin = time.monotonic()

@@ -32,19 +32,24 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 def check_system(system: dict, processes: int, iters: int) -> None:
     assert system["failed"] is None
+    fields = {"samples", "peak", "median", "shm", "processes"}
+    names = {f"process {k}" for k in range(processes)} | ({"daemon"} if system["name"] == "xreduce" else set())
     baseline = system["baseline"]
-    assert baseline["samples"] > 0 and baseline["median"] > 0
+    assert set(baseline) == fields
     assert [s["size"] for s in system["sizes"]] == SIZES
     for s in system["sizes"]:
         assert s["wrong"] == 0  # a few elements of every call, every element of the last
         assert len(s["times_s"]) == iters and s["first_s"] == s["times_s"][0]
         assert s["s_per_gib"] == pytest.approx(s["steady_s"] / (s["size"] / (1 << 30)))
         memory = s["memory"]
-        assert memory["samples"] > 0 and memory["peak"] >= memory["median"] > 0
-        assert s["peak_above_baseline"] == memory["peak"] - baseline["median"]
-        names = {f"process {k}" for k in range(processes)} | ({"daemon"} if system["name"] == "xreduce" else set())
-        assert set(memory["processes"]) == names
-        assert all(p["rss_anon"] > 0 for p in memory["processes"].values())
+        assert set(memory) == fields and set(memory["processes"]) == names
+        # the sampler's thread may find no moment in a window on a busy machine: then nothing is claimed
+        if memory["samples"] and baseline["samples"]:
+            assert s["peak_above_baseline"] == memory["peak"] - baseline["median"]
+            assert memory["peak"] >= memory["median"] > 0
+            assert all(p["rss_anon"] > 0 for p in memory["processes"].values())
+        else:
+            assert s["peak_above_baseline"] is None
 
 
 @TORCH
