@@ -120,7 +120,7 @@ class _BigReporter(_Reporter):
         above = system.above(row.size)
         memory = ("memory: -" if w is None or above is None else
                   f"peak footprint {w.peak / report.MIB:.1f} MiB ({above / report.MIB:+.1f} above the baseline), "
-                  f"{w.samples} samples")
+                  f"{w.samples} samples" + (report.DISTURBED if w.disturbed or system.baseline.disturbed else ""))
         self.line(f"{human_size(row.size):>9}: calls {' '.join(f'{t:.3f}' for t in row.times)} s; first "
                   f"{report.first(row):.3f} s, steady {report.steady(row):.3f} s ({report.per_gib(row):.3f} s/GiB); "
                   f"{memory}; #wrong {row.wrong}")

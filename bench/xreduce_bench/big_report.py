@@ -26,6 +26,7 @@ MEMORY_BOUND = 1.2
 FLAT_BOUND = 1.2
 """xreduce's s/GiB at the largest size <= 1.2 x at the smallest."""
 MIB = 1 << 20
+DISTURBED = " (!: /dev/shm fell below its start: other processes' shared memory went away; this undercounts)"
 
 COLUMNS = ("size", "x first(s)", "x steady(s)", "x s/GiB", "g first(s)", "g steady(s)", "g s/GiB", "steady x/g",
            "x first/steady", "x peak+(MiB)", "g peak+(MiB)", "peak+ x/g", "2PS(MiB)", "#wrong x/g")
@@ -183,8 +184,9 @@ def memory_table(run: Run) -> list[str]:
                 continue
             procs = "  ".join(f"{name} {p['rss_anon'] / MIB:.1f}/{p['rss_shmem'] / MIB:.1f}"
                               for name, p in w.processes.items())
+            flag = DISTURBED if w.disturbed or system.baseline.disturbed else ""
             lines.append(f"{human_size(size):>8} {system.name:>7} {system.baseline.median / MIB:>9.1f} "
-                         f"{w.peak / MIB:>7.1f} {system.above(size) / MIB:>7.1f} {w.shm / MIB:>6.1f}  {procs}")
+                         f"{w.peak / MIB:>7.1f} {system.above(size) / MIB:>7.1f} {w.shm / MIB:>6.1f}  {procs}{flag}")
     return lines
 
 

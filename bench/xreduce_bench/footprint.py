@@ -6,7 +6,9 @@ from ``/proc/PID/status``, and how far the used bytes of ``/dev/shm``
 (``statvfs``) grew since the watch began. The job's **footprint** is the sum
 of its processes' ``RssAnon`` plus that growth: shared memory counted once,
 however many processes map it (a sum of ``RssShmem`` would count a segment
-once per process that maps it).
+once per process that maps it). Other processes' shared memory counts too
+when it comes or goes during a run: a window in which ``/dev/shm`` fell below
+its start says so (:attr:`Window.disturbed`).
 
 The phases of a run (idle after initialize, then each size) are windows of
 time that the workers report; :meth:`Footprint.window` folds the samples of
@@ -77,6 +79,8 @@ class Window:
         median: the median footprint (the idle baseline is the idle window's).
         shm: the ``/dev/shm`` growth in the sample of the peak.
         processes: each process's peaks: ``{"rss_anon": ..., "rss_shmem": ...}``.
+        shm_low: the lowest ``/dev/shm`` growth; below 0, shared memory of processes outside the job went
+            away during it, and the footprint undercounts (see :attr:`disturbed`).
 
     Example:
         >>> w = Window(3, 300, 200, 100, {"daemon": {"rss_anon": 50, "rss_shmem": 100}})
@@ -89,10 +93,16 @@ class Window:
     median: int
     shm: int
     processes: dict[str, dict[str, int]]
+    shm_low: int = 0
+
+    @property
+    def disturbed(self) -> bool:
+        """Whether ``/dev/shm`` fell below where it was when the watch began: other processes' doing."""
+        return self.shm_low < 0
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, as ``--json`` writes them."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "disturbed": self.disturbed}
 
 
 _Sample = tuple[float, int, tuple[tuple[str, int, int], ...]]
@@ -147,7 +157,7 @@ class Footprint(Sampler):
                     peak["rss_anon"], peak["rss_shmem"] = max(peak["rss_anon"], anon), max(peak["rss_shmem"], shmem)
         peak, shm = max(totals, default=(0, 0))
         return Window(len(chosen), peak, int(statistics.median(t for t, _ in totals)) if totals else 0, shm,
-                      processes)
+                      processes, min((s for _, s in totals), default=0))
 
     def _sample(self) -> None:
         with self._lock:
