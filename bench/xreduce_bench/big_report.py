@@ -16,6 +16,7 @@ from typing import Any
 
 from xreduce_bench.footprint import Window
 from xreduce_bench.sweep import Row, SystemResult, human_size
+from xreduce_bench.table import size_axes
 
 STEADY_BOUND = 0.5
 """xreduce's steady time <= 0.5 x gloo's, at every size."""
@@ -290,14 +291,8 @@ def plot(runs: Sequence[Run], path: str) -> None:
         ax_mem.plot(measured, [run.bound(s) / (1 << 30) for s in measured], line, color="grey",
                     label=f"2PS, P={run.processes}")
     ticks = sorted({s for run in runs for s in run.sizes if s not in run.skipped})
-    for ax, label in ((ax_time, "seconds per GiB"), (ax_mem, "peak footprint above baseline (GiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ticks, [human_size(s) for s in ticks])
-        ax.set_xlabel("size per replica")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    size_axes(((ax_time, "seconds per GiB"), (ax_mem, "peak footprint above baseline (GiB)")), ticks,
+              "size per replica", legend_size=8)
     ax_time.set_title("time per GiB (the slowest process's)")
     ax_mem.set_title("memory: sum of RssAnon + /dev/shm growth")
     fig.suptitle("all-reduce float32 sum, one replica per process: xreduce against gloo")
