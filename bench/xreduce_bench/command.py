@@ -29,19 +29,16 @@ import contextlib
 import importlib.util
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import xreduce
 from xreduced.cli import parse_bytes
 
-from xreduce_bench import daemon_memory, floor, multinode, workloads
+from xreduce_bench import big, daemon_memory, floor, multinode, workloads
+from xreduce_bench.daemon import device_names, embedded_daemon
 from xreduce_bench.peers import _BENCH_EXTRA, _run_peer, peer_unavailable
 from xreduce_bench.sweep import (
     OPS,
@@ -50,12 +47,14 @@ from xreduce_bench.sweep import (
     BenchError,
     Sweep,
     SystemResult,
+    given,
     human_size,
+    int_list,
     numpy_dtype,
     size_ladder,
 )
 from xreduce_bench.table import Progress, _Reporter, format_ratios, plot, plot_workload, ratios, to_json
-from xreduce_bench.workers import _popen, _run_xreduce, _stop
+from xreduce_bench.workers import _run_xreduce
 
 DESCRIPTION = (
     "Sweeps a collective of the daemon over sizes with P worker processes of D devices each and prints "
@@ -89,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         >>> add_arguments(p)
         >>> args = p.parse_args(["--processes", "4", "--peers", "--max-bytes", "64MiB"])
         >>> args.processes, args.peers, args.transport, args.max_bytes == 64 << 20
-        (4, 'gloo,mpi', 'auto', True)
+        ('4', 'gloo,mpi', 'auto', True)
     """
     where = p.add_mutually_exclusive_group()
     where.add_argument("--address", default=None,
@@ -116,7 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-packs", default=None, metavar="K[,K...]",
                    help="HierarchicalCopyAllReduce(num_packs=K) for the xreduce runs; several run one after the "
                    "other, named TRANSPORT:pK (default 1)")
-    p.add_argument("--processes", type=int, default=1, help="xreduce worker processes (default 1)")
+    p.add_argument("--processes", default=None, metavar="P",
+                   help="xreduce worker processes (default 1); with --big-tensors, counts to run one after the "
+                   "other (default 2,4)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices per process (default 1 with several processes, else all the daemon's)")
     p.add_argument("--transport", default="auto",
@@ -132,8 +133,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw time and bandwidth against size (needs matplotlib)")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no tty")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any one wait may last: a worker's start, one size (default 300)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds any one wait may last: a worker's start, one size (default 300; 900 with "
+                   "--big-tensors)")
+    big = p.add_argument_group(
+        "big tensors", "--big-tensors runs the big-tensors benchmark instead: per --processes count, a daemon "
+        "started for it and one replica per process; the sizes one after the other in the same processes; "
+        "call 1 (first) and the steady state apart; the memory of every process; gloo in place after xreduce")
+    big.add_argument("--big-tensors", action="store_true",
+                     help="all-reduce HierarchicalCopyAllReduce().reduce('sum', v, v, out=v) of big float32 arrays")
+    big.add_argument("--sizes", default=None, metavar="S[,S...]",
+                     help="bytes per replica, one after the other (default 64MiB,256MiB,1GiB,4GiB)")
+    big.add_argument("--no-in-place", action="store_true",
+                     help="reduce without out=: the SDK allocates each result")
     nodes = p.add_argument_group(
         "across nodes", "--nodes runs the multi-node benchmark instead (root: the nodes are network namespaces on "
         "one bridge): flat gloo among all processes, gloo among the node leaders and xreduce with a daemon per "
@@ -211,11 +223,26 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
     """
     out = out or sys.stdout
     if args.nodes is not None:
+        if args.big_tensors:
+            p.error("--big-tensors and --nodes are two benchmarks: run one at a time")
         return multinode.run(p, args, out)
     for name in ("procs_per_node", "size", "shape"):
         if getattr(args, name) is not None:
             p.error(f"--{name.replace('_', '-')} needs --nodes")
+    if args.big_tensors:
+        return big.run(p, args, out)
+    flag = given(p, args, ("sizes", "no_in_place"))
+    if flag:
+        p.error(f"{flag} needs --big-tensors")
     args.iters = 20 if args.iters is None else args.iters
+    args.timeout = 300.0 if args.timeout is None else args.timeout
+    try:
+        counts = [1] if args.processes is None else int_list("--processes", args.processes, 1, 1 << 20)
+    except ValueError:
+        counts = []
+    if len(counts) != 1:
+        p.error(f"--processes: a whole number >= 1 (several counts need --big-tensors); got {args.processes!r}")
+    args.processes = counts[0]
     transports, peers = _validate(p, args)
     packs = _num_packs(p, args.num_packs)
     if args.num_packs is not None:
@@ -228,15 +255,15 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
             with contextlib.ExitStack() as stack:
                 if args.embedded:
                     devices = args.devices or (1 if args.processes > 1 else 8)
-                    address, pid = stack.enter_context(_daemon(tmp, args.processes * devices, args.timeout))
+                    address, pid = stack.enter_context(embedded_daemon(tmp, args.processes * devices, args.timeout))
                     watch = stack.enter_context(daemon_memory.MemoryWatch(pid))
-                    names, backend = _device_names(address, args.timeout)
+                    names, backend = device_names(address, args.timeout)
                     where = f"{address} (started for this run: {len(names)} devices, {backend} backend)"
                 else:
                     watch = None
                     address = xreduce.resolve_address(args.address)
                     try:
-                        names, backend = _device_names(address, args.timeout)
+                        names, backend = device_names(address, args.timeout)
                     except Exception as e:  # noqa: BLE001 -- any failure to reach it is the same message
                         raise BenchError(f"cannot list the devices of the daemon at {address}: {e}") from None
                     devices = args.devices or (1 if args.processes > 1 else len(names))
@@ -415,33 +442,3 @@ def targets(results: Sequence[SystemResult], sweep: Sweep) -> list[dict[str, Any
         if sweep.processes == 2:
             check(x, "echo", "gRPC echo", 4, 1.2, f"2 processes x 4 B {sweep.dtype} all-reduce", "us")
     return checks
-
-
-@contextlib.contextmanager
-def _daemon(tmp: str, devices: int, timeout: float) -> Iterator[tuple[str, int]]:
-    """``python -m xreduced`` on a unix socket with ``devices`` devices, for this run: (its address, its pid)."""
-    log_path = os.path.join(tmp, "xreduced.log")
-    with open(log_path, "w") as log:
-        proc = _popen([sys.executable, "-m", "xreduced", "--listen", f"unix:{tmp}/xreduced.sock",
-                       "--virtual-devices", str(devices)], stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.monotonic() + timeout
-        address = None
-        while address is None:
-            with open(log_path) as f:
-                m = re.search(r"event=serving address=(\S+)", f.read())
-            address = m and m.group(1)
-            if address is None and (proc.poll() is not None or time.monotonic() > deadline):
-                with open(log_path) as f:
-                    raise BenchError(f"the daemon did not start:\n{f.read()}")
-            time.sleep(0.05)
-        yield address, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _stop(proc, 30)
-
-
-def _device_names(address: str, timeout: float) -> tuple[list[str], str]:
-    with xreduce.Client(address, timeout=timeout) as client:
-        reply = client.list_devices()
-    return [xreduce.DeviceName.parse(d.name).short for d in reply.devices], reply.backend

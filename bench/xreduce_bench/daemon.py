@@ -1,7 +1,9 @@
-"""Starts the real ``xreduced`` as a subprocess, for the scripts in ``bench/`` and for the tests."""
+"""Starts the real ``xreduced`` as a subprocess: :class:`DaemonProcess` for the scripts in ``bench/`` and for the
+tests, :func:`embedded_daemon` for ``xreduce bench --embedded``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+
+import xreduce
+
+from xreduce_bench.sweep import BenchError
+from xreduce_bench.workers import _popen, _stop
 
 _SERVING = re.compile(r"event=serving address=(\S+)")
 
@@ -71,3 +79,49 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def embedded_daemon(tmp: str, devices: int, timeout: float) -> Iterator[tuple[str, int]]:
+    """``python -m xreduced`` on a unix socket in ``tmp`` with ``devices`` devices, for one run of
+    ``xreduce bench``: yields (its address, its pid); its log is ``tmp/xreduced.log``; stopped (SIGTERM, then
+    killed after 30 s) when the block ends.
+
+    Raises:
+        BenchError: it exited, or did not serve within ``timeout`` seconds; the message holds its log.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp, embedded_daemon(tmp, 2, 30) as (address, pid):
+        ...     address.startswith("unix:"), device_names(address, 30)
+        (True, (['CPU:0', 'CPU:1'], 'numpy'))
+    """
+    log_path = os.path.join(tmp, "xreduced.log")
+    with open(log_path, "w") as log:
+        proc = _popen([sys.executable, "-m", "xreduced", "--listen", f"unix:{tmp}/xreduced.sock",
+                       "--virtual-devices", str(devices)], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        address = None
+        while address is None:
+            with open(log_path) as f:
+                m = _SERVING.search(f.read())
+            address = m and m.group(1)
+            if address is None and (proc.poll() is not None or time.monotonic() > deadline):
+                with open(log_path) as f:
+                    raise BenchError(f"the daemon did not start:\n{f.read()}")
+            time.sleep(0.05)
+        yield address, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _stop(proc, 30)
+
+
+def device_names(address: str, timeout: float) -> tuple[list[str], str]:
+    """The short names of the devices of the daemon at ``address`` (``CPU:0``, ...), and its backend.
+
+    Example: see :func:`embedded_daemon`.
+    """
+    with xreduce.Client(address, timeout=timeout) as client:
+        reply = client.list_devices()
+    return [xreduce.DeviceName.parse(d.name).short for d in reply.devices], reply.backend

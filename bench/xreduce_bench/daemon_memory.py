@@ -36,39 +36,35 @@ def status_kib(pid: int) -> dict[str, int]:
     return found
 
 
-class MemoryWatch:
-    """Samples a process's :func:`status_kib` every ``period`` seconds inside a ``with`` block; keeps the peaks.
+class Sampler:
+    """A thread that calls :meth:`_sample` every ``period`` seconds inside a ``with`` block, and once more when
+    it stops; subclasses say what a sample is.
 
     Example:
-        >>> import os
-        >>> with MemoryWatch(os.getpid(), period=0.01) as watch:
+        >>> class Count(Sampler):
+        ...     n = 0
+        ...     def _sample(self):
+        ...         self.n += 1
+        >>> with Count(0.01) as c:
         ...     pass
-        >>> watch.idle["VmRSS"] > 0 and watch.peak["VmRSS"] >= 0
+        >>> c.n >= 1
         True
     """
 
-    def __init__(self, pid: int, period: float = 0.05):
-        self.pid, self.period = pid, period
-        self.idle = status_kib(pid)
-        self.peak = dict.fromkeys(FIELDS, 0)
-        self.samples = 0
+    def __init__(self, period: float):
+        self.period = period
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="xreduce-bench-memory")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"xreduce-bench-{type(self).__name__}")
+
+    def _sample(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sample()
             self._stop.wait(self.period)
 
-    def _sample(self) -> None:
-        try:
-            now = status_kib(self.pid)
-        except OSError:  # the daemon is gone; the run reports why
-            return
-        self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
-        self.samples += 1
-
-    def __enter__(self) -> MemoryWatch:
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -81,6 +77,33 @@ class MemoryWatch:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class MemoryWatch(Sampler):
+    """Samples a process's :func:`status_kib` every ``period`` seconds inside a ``with`` block; keeps the peaks.
+
+    Example:
+        >>> import os
+        >>> with MemoryWatch(os.getpid(), period=0.01) as watch:
+        ...     pass
+        >>> watch.idle["VmRSS"] > 0 and watch.peak["VmRSS"] >= 0
+        True
+    """
+
+    def __init__(self, pid: int, period: float = 0.05):
+        super().__init__(period)
+        self.pid = pid
+        self.idle = status_kib(pid)
+        self.peak = dict.fromkeys(FIELDS, 0)
+        self.samples = 0
+
+    def _sample(self) -> None:
+        try:
+            now = status_kib(self.pid)
+        except OSError:  # the daemon is gone; the run reports why
+            return
+        self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
+        self.samples += 1
 
 
 def largest_message(log: str) -> int:

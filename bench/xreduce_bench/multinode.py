@@ -45,12 +45,11 @@ from multiprocessing import resource_tracker, spawn
 from typing import Any, TextIO
 
 import xreduce
-from xreduced.cli import parse_bytes
 
 from xreduce_bench import multinode_report as report
 from xreduce_bench.netns import INTERFACE, Node, Nodes, NodesError, namespaces_unavailable, parse_rate
 from xreduce_bench.peers import _gloo_start, peer_unavailable
-from xreduce_bench.sweep import BenchError, Row, Sweep, SystemResult, human_size, numpy_dtype
+from xreduce_bench.sweep import BenchError, Row, Sweep, SystemResult, given, human_size, int_list, size_list
 from xreduce_bench.table import Progress, _Reporter
 from xreduce_bench.workers import _python_path, _run_pool, _stop, _xreduce_start, _XreduceSpec
 
@@ -62,8 +61,9 @@ _LOG_TAIL = 8
 DEFAULT_PROCS_PER_NODE = 4
 DEFAULT_SIZE = 64 << 20
 DEFAULT_ITERS = 5
+DEFAULT_TIMEOUT = 300.0
 CONFLICTS = ("address", "embedded", "op", "processes", "devices", "transport", "peers", "echo", "plot",
-             "min_bytes", "max_bytes", "step_factor")
+             "min_bytes", "max_bytes", "step_factor", "sizes", "no_in_place")
 """Options of the one-daemon sweep that mean nothing across nodes."""
 
 
@@ -264,16 +264,6 @@ def _run_setting(setting: report.Setting, args: argparse.Namespace, tmp: str, pr
     return failed
 
 
-def _int_list(field: str, text: str, low: int, high: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not low <= v <= high for v in values) or len(set(values)) != len(values):
-        raise ValueError(f"{field}: comma-separated integers in [{low}, {high}] without repeats; got {text!r}")
-    return values
-
-
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks and completes ``args`` for ``--nodes``: lists parsed, defaults filled (``p.error`` on bad input).
 
@@ -286,12 +276,12 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         >>> args.nodes, args.procs_per_node, args.size, args.shape, args.iters
         ([1, 2], 4, [67108864], [None, '1gbit'], 5)
     """
-    for name in CONFLICTS:
-        if getattr(args, name) != p.get_default(name):
-            p.error(f"--{name.replace('_', '-')} does not apply with --nodes (it runs its own daemons, one per "
-                    "node, and its own peers; sizes come from --size)")
+    flag = given(p, args, CONFLICTS)
+    if flag:
+        p.error(f"{flag} does not apply with --nodes (it runs its own daemons, one per node, and its own peers; "
+                "sizes come from --size)")
     try:
-        args.nodes = _int_list("--nodes", args.nodes, 1, 253)
+        args.nodes = int_list("--nodes", args.nodes, 1, 253)
     except ValueError as e:
         p.error(str(e))
     if args.dtype not in xreduce.SUPPORTED_DTYPES:
@@ -303,15 +293,10 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if max(args.nodes) * args.procs_per_node < 2:
         p.error(f"a collective needs 2 processes or more; got --nodes {max(args.nodes)} --procs-per-node "
                 f"{args.procs_per_node}")
-    itemsize = numpy_dtype(args.dtype).itemsize
     try:
-        sizes = [parse_bytes(x.strip()) for x in (args.size or str(DEFAULT_SIZE)).split(",") if x.strip()]
-    except (ValueError, argparse.ArgumentTypeError):
-        p.error(f"--size: comma-separated sizes such as 64MiB,1MiB; got {args.size!r}")
-    if not sizes or any(s < itemsize or s % itemsize for s in sizes):
-        p.error(f"--size: every size must be a whole number of {args.dtype} elements ({itemsize} bytes); "
-                f"got {args.size!r}")
-    args.size = sorted(set(sizes))
+        args.size = size_list("--size", args.size or str(DEFAULT_SIZE), args.dtype)
+    except ValueError as e:
+        p.error(str(e))
     shapes = [x.strip() for x in (args.shape or "none").split(",") if x.strip()]
     try:
         for x in shapes:
@@ -326,6 +311,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name, low in (("iters", 1), ("warmup", 0)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be >= {low}; got {getattr(args, name)}")
+    args.timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
     if not args.timeout > 0:
         p.error(f"--timeout must be positive; got {args.timeout}")
 

@@ -285,16 +285,27 @@ def _run_peer(system: SystemResult, sweep: Sweep, address: str, reporter: _Repor
 _stores = itertools.count()
 
 
+def gloo_env(tmp: str, ranks: int) -> list[dict[str, str]]:
+    """The environment of each of ``ranks`` gloo workers on this host: a new file store in ``tmp``
+    (``XREDUCE_BENCH_STORE``), and connections on loopback.
+
+    Example:
+        >>> envs = gloo_env("/tmp/x", 2)
+        >>> len(envs), envs[0]["XREDUCE_BENCH_STORE"].startswith("file:///tmp/x/gloo-store-")
+        (2, True)
+    """
+    env = {"XREDUCE_BENCH_STORE": f"file://{tmp}/gloo-store-{next(_stores)}"}
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: keep gloo's connections on loopback
+    return [env] * ranks
+
+
 def _run_gloo(system: SystemResult, sweep: Sweep, reporter: _Reporter, tmp: str) -> None:
     import torch
 
-    store = f"file://{tmp}/gloo-store-{next(_stores)}"
-    env = {"XREDUCE_BENCH_STORE": store}
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: keep gloo's connections on loopback
     system.about = f"torch {torch.__version__}, {sweep.ranks} processes, one rank each"
     reporter.header(system)
-    _run_pool(system, _gloo_start, sweep, sweep.ranks, [env] * sweep.ranks, sweep, reporter)
+    _run_pool(system, _gloo_start, sweep, sweep.ranks, gloo_env(tmp, sweep.ranks), sweep, reporter)
 
 
 def _run_mpi(system: SystemResult, sweep: Sweep, reporter: _Reporter, tmp: str) -> None:

@@ -6,13 +6,16 @@ to every worker process.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, for numpy_dtype
 import numpy as np
 import xreduce
+from xreduced.cli import parse_bytes
 
 from xreduce_bench.workloads import Workload
 
@@ -144,6 +147,68 @@ def size_ladder(min_bytes: int, max_bytes: int, step_factor: int, itemsize: int)
         if size >= max_bytes:
             return tuple(sizes)
         size *= step_factor
+
+
+def given(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> str | None:
+    """The first option of ``names`` (``args``' attribute names) that ``args`` holds at another value than its
+    default, as the command line spells it (``--min-bytes``); None when all hold their defaults.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> _ = p.add_argument("--min-bytes", type=int, default=4)
+        >>> given(p, p.parse_args(["--min-bytes", "8"]), ["min_bytes"]), given(p, p.parse_args([]), ["min_bytes"])
+        ('--min-bytes', None)
+    """
+    return next((f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != p.get_default(n)), None)
+
+
+def int_list(field: str, text: str, low: int, high: int) -> list[int]:
+    """A comma-separated list of whole numbers in ``[low, high]`` without repeats, as an option gives it.
+
+    Raises:
+        ValueError: anything else; the message names ``field`` and repeats ``text``.
+
+    Example:
+        >>> int_list("--processes", "2,4", 2, 64)
+        [2, 4]
+        >>> int_list("--processes", "1", 2, 64)
+        Traceback (most recent call last):
+        ...
+        ValueError: --processes: comma-separated integers in [2, 64] without repeats; got '1'
+    """
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not low <= v <= high for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{field}: comma-separated integers in [{low}, {high}] without repeats; got {text!r}")
+    return values
+
+
+def size_list(field: str, text: str, dtype: str) -> list[int]:
+    """A comma-separated list of sizes (``64MiB,1GiB``), each a whole number of ``dtype`` elements: sorted,
+    without repeats.
+
+    Raises:
+        ValueError: anything else; the message names ``field`` and repeats ``text``.
+
+    Example:
+        >>> size_list("--sizes", "1GiB, 64MiB", "float32")
+        [67108864, 1073741824]
+        >>> size_list("--sizes", "6", "float32")
+        Traceback (most recent call last):
+        ...
+        ValueError: --sizes: every size must be a whole number of float32 elements (4 bytes); got '6'
+    """
+    itemsize = numpy_dtype(dtype).itemsize
+    try:
+        sizes = [parse_bytes(x.strip()) for x in text.split(",") if x.strip()]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ValueError(f"{field}: comma-separated sizes such as 64MiB,1MiB; got {text!r}") from None
+    if not sizes or any(s < itemsize or s % itemsize for s in sizes):
+        raise ValueError(f"{field}: every size must be a whole number of {dtype} elements ({itemsize} bytes); "
+                         f"got {text!r}")
+    return sorted(set(sizes))
 
 
 def numpy_dtype(name: str) -> np.dtype:

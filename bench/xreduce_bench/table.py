@@ -187,19 +187,32 @@ def plot(results: Sequence[SystemResult], sweep: Sweep, path: str) -> None:
         if r.name != "echo":
             ax_bw.plot(sizes, [row.busbw(sweep.bus_factor) for row in r.rows], marker=".", label=r.name)
     ticks = [s for i, s in enumerate(sweep.sizes) if i % max(1, len(sweep.sizes) // 8) == 0]
-    for ax, label in ((ax_time, "time (us)"), (ax_bw, "bus bandwidth (GB/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ticks, [human_size(s) for s in ticks])
-        ax.set_xlabel("size per device")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    size_axes(((ax_time, "time (us)"), (ax_bw, "bus bandwidth (GB/s)")), ticks, "size per device")
     fig.suptitle(f"{sweep.op} {sweep.dtype} {sweep.reduce_op}, {sweep.processes} process(es) x "
                  f"{sweep.devices} device(s), n = {sweep.ranks}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def size_axes(axes: Sequence[tuple[Any, str]], ticks: Sequence[int], xlabel: str, legend_size: float | None = None
+              ) -> None:
+    """Dresses each (matplotlib axes, y label) of ``axes`` as a sweep's plot: log-log, sizes across (base 2,
+    ``ticks`` named as :func:`human_size` names them), a grid, the legend.
+
+    Example:
+        >>> import matplotlib.pyplot as plt  # doctest: +SKIP
+        >>> fig, ax = plt.subplots()  # doctest: +SKIP
+        >>> size_axes([(ax, "time (us)")], [4, 4096], "size per device")  # doctest: +SKIP
+    """
+    for ax, label in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ticks, [human_size(s) for s in ticks])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=legend_size)
 
 
 def plot_workload(results: Sequence[SystemResult], sweep: Sweep, path: str) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -69,12 +69,18 @@ def _worker(start: _Start, spec: Any, sweep: Sweep, rank: int, barrier, queue) -
         close()
         queue.put(("done", rank))
     except BaseException as e:  # noqa: BLE001 -- everything goes to the parent, which decides
-        secondary = isinstance(e, threading.BrokenBarrierError)
-        text = f"{type(e).__name__}: {e}" if str(e) else traceback.format_exc(limit=3).strip()
-        queue.put(("error", rank, f"process {rank}: {text}", secondary))
-        with contextlib.suppress(Exception):
-            barrier.abort()
-        raise SystemExit(1) from None
+        _fail(e, rank, barrier, queue)
+
+
+def _fail(e: BaseException, rank: int, barrier, queue) -> NoReturn:
+    """A worker's end after ``e``: the error to the parent (secondary: a barrier another process broke), the
+    barrier broken for the others, exit status 1."""
+    secondary = isinstance(e, threading.BrokenBarrierError)
+    text = f"{type(e).__name__}: {e}" if str(e) else traceback.format_exc(limit=3).strip()
+    queue.put(("error", rank, f"process {rank}: {text}", secondary))
+    with contextlib.suppress(Exception):
+        barrier.abort()
+    raise SystemExit(1) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +223,11 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
 
 
 def _collect(system: SystemResult, messages: queue_mod.Queue, senders: int, alive: Callable[[], str | None],
-             sweep: Sweep, reporter: _Reporter) -> None:
+             sweep: Sweep, reporter: _Reporter, on_message: Callable[[tuple], None] | None = None) -> None:
     """Gathers the workers' reports into rows until all are done; raises BenchError
-    on a worker's error or death, or when nothing arrives for ``sweep.timeout``."""
+    on a worker's error or death, or when nothing arrives for ``sweep.timeout``.
+
+    A message of another kind than those of :func:`_worker` goes to ``on_message``, if given."""
     pending: dict[int, list[tuple[list[float], int | None]]] = {}
     done, secondary = 0, None
     deadline = time.monotonic() + sweep.timeout
@@ -258,11 +266,17 @@ def _collect(system: SystemResult, messages: queue_mod.Queue, senders: int, aliv
                 row = Row(size, sweep.count(size), slowest, sum(wrongs) if wrongs else None)
                 system.rows.append(row)
                 reporter.row(system, row)
+        elif on_message is not None:
+            on_message(message)
 
 
 def _run_pool(system: SystemResult, start: _Start, spec: Any, processes: int, envs: Sequence[dict[str, str]],
-              sweep: Sweep, reporter: _Reporter) -> None:
-    """Runs ``processes`` spawned workers of one system and collects their rows."""
+              sweep: Sweep, reporter: _Reporter, worker: Callable = _worker,
+              on_message: Callable[[tuple], None] | None = None) -> None:
+    """Runs ``processes`` spawned workers of one system and collects their rows.
+
+    Each runs ``worker(start, spec, sweep, rank, barrier, queue)`` (default :func:`_worker`); messages
+    :func:`_collect` does not know go to ``on_message``."""
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     barrier = ctx.Barrier(processes)
@@ -271,7 +285,7 @@ def _run_pool(system: SystemResult, start: _Start, spec: Any, processes: int, en
     try:
         for rank in range(processes):
             with _environ({"PYTHONPATH": _python_path(), **envs[rank]}):
-                proc = ctx.Process(target=_worker, args=(start, spec, sweep, rank, barrier, messages), daemon=True,
+                proc = ctx.Process(target=worker, args=(start, spec, sweep, rank, barrier, messages), daemon=True,
                                    name=f"xreduce-bench-{system.name.replace(' ', ':')}-{rank}")
                 proc.start()
             procs.append(proc)
@@ -282,7 +296,7 @@ def _run_pool(system: SystemResult, start: _Start, spec: Any, processes: int, en
                     return f"process {rank} exited with status {p.exitcode}"
             return None
 
-        _collect(system, messages, processes, alive, sweep, reporter)
+        _collect(system, messages, processes, alive, sweep, reporter, on_message)
         finished = True
     finally:
         for p in procs:  # after a failure the others may wait in a collective: stop them at once
@@ -303,8 +317,20 @@ def _run_xreduce(system: SystemResult, sweep: Sweep, address: str, names: list[s
     transport = system.transport
     per_process = tuple(tuple(names[p * sweep.devices:(p + 1) * sweep.devices]) for p in range(sweep.processes))
     spec = _XreduceSpec(sweep, per_process, per_process[0][0], transport, num_packs)
-    group = f"xreduce-bench-{os.getpid()}-{transport}-{next(_groups)}"
-    envs = [{"XREDUCE_ADDRESS": address, "XREDUCE_TRANSPORT": transport, "XREDUCE_GROUP": group,
-             "XREDUCE_LOCAL_DEVICES": ",".join(devices)} for devices in per_process]
+    envs = xreduce_envs(address, per_process, transport)
     reporter.header(system)
     _run_pool(system, _xreduce_start, spec, sweep.processes, envs, sweep, reporter)
+
+
+def xreduce_envs(address: str, per_process: Sequence[Sequence[str]], transport: str = "auto") -> list[dict[str, str]]:
+    """The environment of each xreduce worker of one job: its daemon, its transport, a group of its own
+    (a new name each call) and its devices.
+
+    Example:
+        >>> envs = xreduce_envs("unix:/tmp/x.sock", [["cpu:0"], ["cpu:1"]], "shm")
+        >>> envs[1]["XREDUCE_LOCAL_DEVICES"], envs[0]["XREDUCE_GROUP"] == envs[1]["XREDUCE_GROUP"]
+        ('cpu:1', True)
+    """
+    group = f"xreduce-bench-{os.getpid()}-{transport}-{next(_groups)}"
+    return [{"XREDUCE_ADDRESS": address, "XREDUCE_TRANSPORT": transport, "XREDUCE_GROUP": group,
+             "XREDUCE_LOCAL_DEVICES": ",".join(devices)} for devices in per_process]

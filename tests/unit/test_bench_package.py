@@ -15,7 +15,8 @@ from xreduce_bench import oracle
 from xreduce_bench.sweep import Sweep
 
 PACKAGE = pathlib.Path(xreduce_bench.__file__).parent
-COMMAND_MODULES = ("command", "oracle", "peers", "sweep", "table", "workers", "workloads", "daemon_memory", "floor")
+COMMAND_MODULES = ("command", "oracle", "peers", "sweep", "table", "workers", "workloads", "daemon_memory", "floor",
+                   "big", "big_report", "big_workers", "footprint")
 
 
 def sweep(op: str, dtype: str, reduce_op: str, ranks: int) -> Sweep:
