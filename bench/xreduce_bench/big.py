@@ -10,7 +10,8 @@ For each process count P of ``--processes`` (2,4), one after the other:
   other, ascending, each ``--iters`` calls (3) of
   ``HierarchicalCopyAllReduce().reduce("sum", v, v, out=v)`` on a float32
   numpy array (``--no-in-place``: without ``out=``; the SDK allocates the
-  result); see ``big_workers``;
+  result; ``--shared-array``: on an ``xreduce.shared_array``, which the daemon
+  reads and writes where it lies); see ``big_workers``;
 - **gloo** (``--peers gloo``, the default), after xreduce (never both at
   once: memory): P ranks of torch.distributed's gloo, ``dist.all_reduce(t)``
   on a CPU float32 tensor, in place, a fresh tensor per size.
@@ -168,7 +169,7 @@ def _run_processes(processes: int, args: argparse.Namespace, tmp: str, progress:
     skipped = {s: why for s in args.sizes if (why := fits(processes, s, available)) is not None}
     sizes = tuple(s for s in args.sizes if s not in skipped)
     sweep = Sweep("all_reduce", "float32", "sum", sizes, processes, 1, args.iters, 0, args.timeout)
-    spec = BigSpec(processes, args.in_place, args.timeout)
+    spec = BigSpec(processes, args.in_place, args.timeout, args.shared_array)
     run = report.Run(processes, list(args.sizes), skipped, report.BigResult("xreduce", ""))
     reporter = _BigReporter(sweep, progress, out)
     reporter.line(f"\n## {run.title}")
@@ -182,6 +183,7 @@ def _run_processes(processes: int, args: argparse.Namespace, tmp: str, progress:
         fp.watch("daemon", pid, worker=False)
         names, backend = device_names(address, args.timeout)
         call = "reduce(\"sum\", v, v, out=v)" if args.in_place else "reduce(\"sum\", v, v) (not in place)"
+        call += " of an xreduce.shared_array" if args.shared_array else " of a numpy array"
         run.xreduce.about = (f"{processes} processes x 1 replica, HierarchicalCopyAllReduce().{call}; daemon "
                              f"{address} (started for this P: {len(names)} devices, {backend} backend)")
         envs = xreduce_envs(address, [[n] for n in names[:processes]])
@@ -220,6 +222,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
     steps = sum(len(args.sizes) * (1 + len(args.peers)) for _ in args.processes)
     progress = Progress(steps, sys.stderr, args.progress or sys.stderr.isatty())
     call = "out=v, in place" if args.in_place else "no out=: the SDK allocates each result"
+    call += "; v an xreduce.shared_array" if args.shared_array else "; v a numpy array"
     header = [
         f"# xreduce bench --big-tensors: all-reduce, float32, sum, one replica per process ({call}); sizes "
         f"{', '.join(human_size(s) for s in args.sizes)}; processes {', '.join(map(str, args.processes))}; "
@@ -250,7 +253,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
         return 130
     progress.clear()
     if args.json:
-        about = {"date": time.strftime("%Y-%m-%d"), "in_place": args.in_place, "iters": args.iters,
+        about = {"date": time.strftime("%Y-%m-%d"), "in_place": args.in_place, "shared_array": args.shared_array,
+                 "iters": args.iters,
                  "sizes": args.sizes, "processes": args.processes, "peers": args.peers, "cores": os.cpu_count(),
                  "fit": {"factor": FIT_FACTOR, "spare": FIT_SPARE}, "sample_period_s": PERIOD, "header": header,
                  "checked": f"process k holds k + 1; each result but the last checked at {SPOTS} elements, the "

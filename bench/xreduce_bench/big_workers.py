@@ -48,6 +48,7 @@ class BigSpec:
         processes: P, the workers (one replica each).
         in_place: xreduce reduces into the caller's array (``out=``); False: the SDK allocates the result.
         timeout: seconds any one wait may last.
+        shared: xreduce's arrays are :func:`xreduce.shared_array` arrays (else numpy's).
 
     Example:
         >>> BigSpec(2, True, 900.0).expected
@@ -57,6 +58,7 @@ class BigSpec:
     processes: int
     in_place: bool
     timeout: float
+    shared: bool = False
 
     @property
     def expected(self) -> float:
@@ -151,7 +153,8 @@ def big_worker(start: Callable, spec: BigSpec, sweep, rank: int, barrier, queue)
 
 def xreduce_start(spec: BigSpec, rank: int) -> tuple[Callable, Callable]:
     """Process ``rank`` of an xreduce job (``XREDUCE_ADDRESS``, ``XREDUCE_GROUP``, ``XREDUCE_LOCAL_DEVICES``
-    set by the parent): ``HierarchicalCopyAllReduce().reduce("sum", v, v, out=v)`` of a numpy array."""
+    set by the parent): ``HierarchicalCopyAllReduce().reduce("sum", v, v, out=v)`` of a numpy array (an
+    :func:`xreduce.shared_array` with ``spec.shared``)."""
     import xreduce
     from xreduce import distribute, distribution
 
@@ -162,7 +165,8 @@ def xreduce_start(spec: BigSpec, rank: int) -> tuple[Callable, Callable]:
         return ops.reduce("sum", v, v, out=v) if spec.in_place else ops.reduce("sum", v, v)
 
     def prepare(size: int) -> Calls:
-        return Calls(np.empty(size // 4, np.float32), rank + 1, spec.expected, call)
+        v = xreduce.shared_array(size // 4, np.float32) if spec.shared else np.empty(size // 4, np.float32)
+        return Calls(v, rank + 1, spec.expected, call)
 
     def close() -> None:
         ops.close()

@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="bytes per replica, one after the other (default 64MiB,256MiB,1GiB,4GiB)")
     big.add_argument("--no-in-place", action="store_true",
                      help="reduce without out=: the SDK allocates each result")
+    big.add_argument("--shared-array", action="store_true",
+                     help="v = xreduce.shared_array(...) instead of a numpy array: the daemon reads and writes it "
+                          "where it lies, nothing staged or copied")
     nodes = p.add_argument_group(
         "across nodes", "--nodes runs the multi-node benchmark instead (root: the nodes are network namespaces on "
         "one bridge): flat gloo among all processes, gloo among the node leaders and xreduce with a daemon per "
@@ -231,7 +234,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO | None
             p.error(f"--{name.replace('_', '-')} needs --nodes")
     if args.big_tensors:
         return big.run(p, args, out)
-    flag = given(p, args, ("sizes", "no_in_place"))
+    flag = given(p, args, ("sizes", "no_in_place", "shared_array"))
     if flag:
         p.error(f"{flag} needs --big-tensors")
     args.iters = 20 if args.iters is None else args.iters

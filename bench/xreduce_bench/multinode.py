@@ -63,7 +63,8 @@ DEFAULT_SIZE = 64 << 20
 DEFAULT_ITERS = 5
 DEFAULT_TIMEOUT = 300.0
 CONFLICTS = ("address", "embedded", "op", "processes", "devices", "transport", "peers", "echo", "plot",
-             "min_bytes", "max_bytes", "step_factor", "sizes", "no_in_place")
+             "min_bytes", "max_bytes", "step_factor", "sizes", "no_in_place",
+             "shared_array")
 """Options of the one-daemon sweep that mean nothing across nodes."""
 
 

@@ -7,7 +7,6 @@ result was verified; never how fast anything is, nor how much memory it took.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -15,10 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from xreduce.distribute import HierarchicalCopyAllReduce
 
 TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (the bench extra)")
-IN_PLACE = "out" in inspect.signature(HierarchicalCopyAllReduce.reduce).parameters
 SIZES = [1 << 20, 4 << 20]
 TOO_BIG = 1 << 40  # 1 TiB per replica: skipped by the fit rule on any machine these tests run on
 TARGETS = ["steady <= 0.5x gloo at every size", "first call <= 2x steady at every size",
@@ -55,23 +52,23 @@ def check_system(system: dict, processes: int, iters: int) -> None:
 
 
 @TORCH
-@pytest.mark.parametrize("in_place", [
-    pytest.param(True, marks=pytest.mark.skipif(not IN_PLACE, reason="this SDK's reduce has no out= yet")),
-    False,
-], ids=["in-place", "no-in-place"])
-def test_a_tiny_sweep_prints_the_table_and_writes_verified_json(tmp_path, in_place):
+@pytest.mark.parametrize("form", ["in-place", "no-in-place", "shared-array"])
+def test_a_tiny_sweep_prints_the_table_and_writes_verified_json(tmp_path, form):
     out_json = tmp_path / "big.json"
     sizes = "1MiB,4MiB,1TiB"
+    in_place = form != "no-in-place"
     result = bench("--big-tensors", "--sizes", sizes, "--processes", "2", "--iters", "2", "--peers", "gloo",
-                   "--json", str(out_json), *([] if in_place else ["--no-in-place"]))
+                   "--json", str(out_json), *([] if form == "in-place" else [f"--{form}"]))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert out.startswith("# xreduce bench --big-tensors: all-reduce, float32, sum, one replica per process ("
                           + ("out=v, in place" if in_place else "no out=: the SDK allocates each result")
+                          + ("; v an xreduce.shared_array" if form == "shared-array" else "; v a numpy array")
                           + "); sizes 1 MiB, 4 MiB, 1024 GiB; processes 2; 2 calls per size; peers: gloo\n")
     assert "\n## 2 processes\n" in out
     assert re.search(r"^# 1024 GiB: skipped: needs ~4506\.6 GiB, MemAvailable [\d.]+ GiB$", out, re.MULTILINE)
     call = 'reduce("sum", v, v, out=v)' if in_place else 'reduce("sum", v, v) (not in place)'
+    call += " of an xreduce.shared_array" if form == "shared-array" else " of a numpy array"
     assert f"# xreduce: 2 processes x 1 replica, HierarchicalCopyAllReduce().{call}; daemon unix:" in out
     assert re.search(r"^# gloo: torch \S+, 2 processes, dist\.all_reduce\(t\) in place$", out, re.MULTILINE)
     rows = [line.split() for line in out.splitlines() if re.match(r" +[14] MiB +[\d.]+ ", line)]
@@ -83,6 +80,7 @@ def test_a_tiny_sweep_prints_the_table_and_writes_verified_json(tmp_path, in_pla
 
     data = json.loads(out_json.read_text())
     assert data["about"]["in_place"] is in_place and data["about"]["iters"] == 2
+    assert data["about"]["shared_array"] is (form == "shared-array")
     assert data["about"]["sizes"] == [*SIZES, TOO_BIG]
     (run,) = data["runs"]
     assert run["processes"] == 2 and run["sizes"] == [*SIZES, TOO_BIG]
@@ -115,6 +113,7 @@ def test_bad_options_name_the_option_and_the_value(argv, message):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--sizes", "1MiB"], "--sizes needs --big-tensors"),
     (["--no-in-place"], "--no-in-place needs --big-tensors"),
+    (["--shared-array"], "--shared-array needs --big-tensors"),
     (["--processes", "2,4"], "--processes: a whole number >= 1 (several counts need --big-tensors); got '2,4'"),
 ])
 def test_big_tensor_options_need_the_mode(argv, message):
