@@ -361,12 +361,20 @@ class DistributionState:
                 self._info = ProcessInfo(pid, count, addresses, daemon, devices, devices)
                 return self._info
             group = self._group = self._join(count, pid, addresses[0] if addresses else "")
+            self._open_shared_memory()
             job = job_devices(group)
             keras = tuple(d.keras for d in job.devices)
             local = tuple(DeviceName.parse(n).keras for n in job.mine)
             self._info = ProcessInfo(pid, count, addresses, daemon, keras, local, group.group,
                                      group.node_index, group.num_nodes, group.epoch, group.engine)
             return self._info
+
+    def _open_shared_memory(self) -> None:
+        """Opens this process's shared-memory session with its daemon now (when the daemon shares this host),
+        as its first collective would: an ``xreduce.shared_array`` made from here on is mapped by the daemon
+        when it is made, not during the first call that sends it."""
+        with contextlib.suppress(Exception), Client(self._address, token=self._token, timeout=self._timeout) as c:
+            c.shared_memory()
 
     def _join(self, count: int, pid: int, coordinator: str) -> ProcessGroup:
         """Meets the other processes through this process's daemon, which registers them with the
