@@ -29,6 +29,10 @@ import _project_env  # noqa: F401 -- before numpy and xreduce: without xreduce, 
 import numpy as np
 from custom_training_loop import embedded_daemon, run  # the same job runner and daemon
 
+TF_NOTICES = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",)
+"""What TensorFlow writes to stderr when it starts on some CPUs whatever TF_CPP_MIN_LOG_LEVEL says (with its
+``port.cc`` oneDNN notice): left out of the processes' output."""
+
 
 def tensorflow(replicas: int):
     """TensorFlow with ``replicas`` logical CPUs, quiet. Grappler's arithmetic optimizer is off so that TF's own
@@ -103,7 +107,8 @@ def launch(args: argparse.Namespace) -> int:
                            f"--out-dir={tmp}"], env, 1, args.timeout)
         for p, (_, out) in enumerate(outputs):
             for line in out.splitlines():
-                print(f"[p{p}] {line}")
+                if not line.startswith(TF_NOTICES) and "port.cc" not in line:
+                    print(f"[p{p}] {line}")
         failed = [f"p{p} exited {rc}" for p, (rc, _) in enumerate(outputs) if rc != 0]
         if failed or code != 0:
             print(f"FAIL: {', '.join(failed) or f'the reference exited {code}'}")

@@ -243,8 +243,21 @@ class Engine:
     """The environment for docker and compose (DOCKER_HOST when the engine is this test's)."""
     compose: list[str]
 
+    def __post_init__(self):
+        # The compose files have the engine set the daemon's oom_score_adj to -900; an engine started by a root
+        # without CAP_SYS_RESOURCE (this machine's, CI's) cannot lower a score, and fails to start the container.
+        if not _may_lower_oom_score():
+            self.env = {**self.env, "XREDUCE_OOM_SCORE_ADJ": "0"}
+
     def docker(self, *args: str, timeout: float = CALL_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
         return run(["docker", *args], timeout, check=check, env=self.env)
+
+
+def _may_lower_oom_score() -> bool:
+    """Whether this process (so the engine it starts) has CAP_SYS_RESOURCE, which lowering an oom_score_adj needs."""
+    with open("/proc/self/status") as f:
+        (effective,) = [line.split()[1] for line in f if line.startswith("CapEff:")]
+    return bool(int(effective, 16) >> 24 & 1)  # CAP_SYS_RESOURCE is capability 24
 
 
 def answers(env: dict[str, str]) -> bool:

@@ -280,7 +280,9 @@ def test_log_level_warning_from_environment_hides_info(sock_dir):
     """At WARNING the daemon logs only its serving line while healthy, and still serves."""
     address = f"unix:{sock_dir}/quiet.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("XREDUCE_")}
-    env.update(XREDUCE_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    # The score this process has: the daemon need not lower it, so a root without CAP_SYS_RESOURCE logs no warning.
+    with open("/proc/self/oom_score_adj") as f:
+        env.update(XREDUCE_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1", XREDUCE_OOM_SCORE_ADJ=f.read().strip())
     proc = subprocess.Popen(
         [sys.executable, "-m", "xreduced", "--listen", address, *NUMPY],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
