@@ -6,7 +6,10 @@ may be the input itself (``reduce("sum", v, v, out=v)``): the reduce is then
 in place, and a process needs no memory for a result. Each array must be a
 writable, C-contiguous numpy array of the result's shape and dtype (the
 value's; for a ``MEAN`` of integers the float type :func:`xreduce.wire.contract.mean_dtype`
-gives). If the call fails, what the arrays hold is unspecified (as with gloo).
+gives), and either apart from the values or exactly one of them (one that
+overlaps a value elsewhere is refused: chunk by chunk it would overwrite
+values not yet read). If the call fails, what the arrays hold is unspecified
+(as with gloo).
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ def checked(out: Any, pair: Pair, op: str, field: str) -> list[np.ndarray] | Non
             raise ValueError(f"{name} must be writable; got a read-only array")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous; got strides {a.strides}")
+        for h in pair.value.hosts():
+            if np.may_share_memory(a, h.array) and not same(a, h.array):
+                raise ValueError(f"{name} overlaps one of the values without being it; a result goes into its "
+                                 "own array or over one value exactly (in place)")
     return arrays
 
 
@@ -97,6 +104,17 @@ def written(result: Any, arrays: list[np.ndarray] | None) -> Any:
     return like(devices_of(result), arrays)
 
 
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same bytes (same start, same extent).
+
+    Example:
+        >>> x = np.zeros(4)
+        >>> same(x, x.reshape(2, 2)), same(x, x[1:])
+        (True, False)
+    """
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
 def copy_into(dest: np.ndarray, source: np.ndarray) -> None:
     """Copies ``source`` into ``dest`` unless it is ``dest`` already (the daemon wrote it in place).
 
@@ -105,9 +123,7 @@ def copy_into(dest: np.ndarray, source: np.ndarray) -> None:
         >>> copy_into(a[1:], np.ones(2)); a.tolist()
         [0.0, 1.0, 1.0]
     """
-    same = (dest.__array_interface__["data"][0] == source.__array_interface__["data"][0]
-            and dest.strides == source.strides and dest.shape == source.shape)
-    if not same:
+    if not (same(dest, source) and dest.strides == source.strides and dest.shape == source.shape):
         np.copyto(dest, source)
 
 

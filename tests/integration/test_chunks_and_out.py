@@ -131,3 +131,16 @@ def test_a_deadline_spans_every_chunk(daemon, monkeypatch):
     options = xreduce.distribute.CommunicationOptions(timeout_seconds=0.05)
     with pytest.raises(xreduce.DeadlineExceededError):
         HierarchicalCopyAllReduce(address=daemon.address).reduce("sum", v, v, options=options)
+
+
+@pytest.mark.parametrize("chunk", [None, "4096"])
+def test_out_that_overlaps_a_value_without_being_it_is_refused(daemon, monkeypatch, chunk):
+    """Written chunk by chunk, such an ``out`` would overwrite values not yet read: refused before anything."""
+    if chunk:
+        monkeypatch.setenv("XREDUCE_CHUNK_BYTES", chunk)
+    n = 200_000
+    base = np.arange(n + 16, dtype=np.float32)
+    v = PerReplica([base[:n], np.ones(n, np.float32)], devices=DEVICES[:2])
+    with pytest.raises(ValueError, match=r"out overlaps one of the values without being it"):
+        HierarchicalCopyAllReduce(address=daemon.address).reduce("sum", v, "CPU:0", out=base[16:])
+    assert np.array_equal(base, np.arange(n + 16, dtype=np.float32))
