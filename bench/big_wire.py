@@ -17,25 +17,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
+from xreduce_bench.daemon_memory import MemoryWatch
 
 BLOCK = 1 << 22
 """Elements filled and checked at once."""
-
-
-def rss(pid: int) -> int:
-    """``VmRSS`` of ``pid`` in bytes (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +38,6 @@ def main(argv: list[str] | None = None) -> int:
         address = f"unix:{tmp}/xreduced.sock"
         daemon = subprocess.Popen([sys.executable, "-m", "xreduced", "--listen", address, "--virtual-devices", "2"],
                                   stderr=subprocess.DEVNULL)
-        peak, stop = [0], threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], rss(daemon.pid))
-                time.sleep(0.02)
-
         try:
             ops = HierarchicalCopyAllReduce(address=address, transport="wire")
             deadline = time.monotonic() + 30
@@ -68,22 +49,19 @@ def main(argv: list[str] | None = None) -> int:
             for at in range(0, t.size, BLOCK):
                 part = t[at:at + BLOCK]
                 part[:] = pattern[:part.size]
-            idle = rss(daemon.pid)
-            threading.Thread(target=sample, daemon=True).start()
-            start = time.perf_counter()
-            result = ops.reduce("sum", PerReplica([t, t], devices=["CPU:0", "CPU:1"]), "CPU:0", out=t)
-            took = time.perf_counter() - start
-            stop.set()
+            with MemoryWatch(daemon.pid, period=0.02) as watch:
+                start = time.perf_counter()
+                result = ops.reduce("sum", PerReplica([t, t], devices=["CPU:0", "CPU:1"]), "CPU:0", out=t)
+                took = time.perf_counter() - start
             wrong = sum(int(np.count_nonzero(t[at:at + BLOCK] != 2 * pattern[:min(BLOCK, t.size - at)]))
                         for at in range(0, t.size, BLOCK))
             print(f"{args.size / (1 << 30):g} GiB over the wire from one process: {took:.1f} s "
                   f"({args.size / (1 << 30) / took:.2f} GiB/s of tensor), result is out: {result is t}, "
-                  f"#wrong {wrong}; the daemon's RSS {idle / (1 << 20):.0f} MiB idle, "
-                  f"{peak[0] / (1 << 20):.0f} MiB at its peak")
+                  f"#wrong {wrong}; the daemon's RSS {watch.idle['VmRSS'] / 1024:.0f} MiB idle, "
+                  f"{watch.peak['VmRSS'] / 1024:.0f} MiB at its peak")
             ops.close()
             return 0 if wrong == 0 else 1
         finally:
-            stop.set()
             daemon.terminate()
             daemon.wait(30)
 

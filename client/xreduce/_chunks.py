@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import math
 import os
 import threading
 import zlib
@@ -240,13 +239,3 @@ def flat(array: np.ndarray) -> np.ndarray:
         (6,)
     """
     return array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
-
-
-def elements(shape: Sequence[int]) -> int:
-    """The number of elements of ``shape``.
-
-    Example:
-        >>> elements((2, 3)), elements(())
-        (6, 1)
-    """
-    return math.prod(shape)

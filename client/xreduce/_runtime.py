@@ -216,9 +216,7 @@ class Runtime:
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
-            adopt = getattr(session, "adopt", None)
-            if adopt is not None:
-                adopt(array)
+            session.adopt(array)
 
     def shutdown(self) -> None:
         """Ends every session of this process and unlinks every segment it made (run at exit)."""

@@ -429,9 +429,6 @@ class Placed:
                              f"caller's array at {o.name}[{o.offset}:+{o.byte_size}]")
         return self._array if self._array.shape == tuple(shape) else self._array.reshape(shape)
 
-    def abandon(self) -> None:
-        """Nothing to let go: the array is the caller's."""
-
 
 def _region_tensor(array: np.ndarray | Fused, dtype: int, where: tuple[str, int, int]) -> pb.Tensor:
     return pb.Tensor(dtype=dtype, shape=array.shape, region=pb.RegionSlice(name=where[0], offset=where[1],

@@ -20,13 +20,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 from children import Started, child_env
 from xreduce import _chunks, _segments
+from xreduce_bench.daemon_memory import Sampler, status_kib
 
 pytestmark = pytest.mark.skipif(not _segments.available(), reason="no POSIX shared memory (/dev/shm) on this host")
 
@@ -67,36 +67,21 @@ def shm_of(pids: list[int]) -> int:
 
 def rss_anon(pid: int) -> int:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return status_kib(pid)["RssAnon"] * 1024
+    except OSError:  # it has ended
+        return 0
 
 
-class Footprint:
+class Footprint(Sampler):
     """Samples Σ RssAnon(pids) + their segments in /dev/shm every 10 ms, with the time of each sample."""
 
     def __init__(self, pids: list[int]):
+        super().__init__(0.01)
         self.pids = pids
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), sum(rss_anon(p) for p in self.pids) + shm_of(self.pids)))
-            time.sleep(0.01)
-
-    def __enter__(self) -> Footprint:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _sample(self) -> None:
+        self.samples.append((time.time(), sum(rss_anon(p) for p in self.pids) + shm_of(self.pids)))
 
     def peak(self, start: float, stop: float) -> int:
         return max((v for t, v in self.samples if start <= t <= stop), default=0)
