@@ -328,11 +328,15 @@ class DistributionState:
         self._lock = threading.Lock()
 
     def initialize(self, job_addresses: str | Sequence[str] | None = None, num_processes: int | None = None,
-                   process_id: int | None = None) -> ProcessInfo:
+                   process_id: int | None = None, *, group: str | None = None,
+                   devices: Sequence[str] | None = None) -> ProcessInfo:
         """Validates and records this process's identity, after checking the daemon answers.
 
         Each argument that is None falls back to its ``KERAS_DISTRIBUTION_*``
         variable (see :func:`initialize`); nothing is recorded on failure.
+        ``group`` and ``devices`` (this process's devices, daemon names) stand
+        for ``XREDUCE_GROUP`` and ``XREDUCE_LOCAL_DEVICES`` when given (as
+        ``xreduce.torch`` gives them, one group per ``torch.distributed`` group).
 
         Returns:
             The recorded :class:`ProcessInfo`.
@@ -356,11 +360,11 @@ class DistributionState:
                     "to initialize again)"
                 )
             addresses, count, pid = _resolve(job_addresses, num_processes, process_id)
-            daemon, devices = self._check_daemon()
+            daemon, names = self._check_daemon()
             if count == 1:
-                self._info = ProcessInfo(pid, count, addresses, daemon, devices, devices)
+                self._info = ProcessInfo(pid, count, addresses, daemon, names, names)
                 return self._info
-            group = self._group = self._join(count, pid, addresses[0] if addresses else "")
+            group = self._group = self._join(count, pid, addresses[0] if addresses else "", group, devices)
             self._open_shared_memory()
             job = job_devices(group)
             keras = tuple(d.keras for d in job.devices)
@@ -376,11 +380,13 @@ class DistributionState:
         with contextlib.suppress(Exception), Client(self._address, token=self._token, timeout=self._timeout) as c:
             c.shared_memory()
 
-    def _join(self, count: int, pid: int, coordinator: str) -> ProcessGroup:
+    def _join(self, count: int, pid: int, coordinator: str, name: str | None = None,
+              devices: Sequence[str] | None = None) -> ProcessGroup:
         """Meets the other processes through this process's daemon, which registers them with the
         ``coordinator`` when there is one (bounded by the daemon's --collective-timeout)."""
-        name = _env(ENV_GROUP) or "default"
-        requested = [d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
+        name = name or _env(ENV_GROUP) or "default"
+        requested = list(devices) if devices is not None else [
+            d.strip() for d in (_env(ENV_LOCAL_DEVICES) or "").split(",") if d.strip()]
         spec = pb.CollectiveSpec(group=name, num_processes=count, process_id=pid, name="join")
         # A session ties this process to its group: if the process dies without leaving, the daemon fails the
         # group's collectives at once (on every node) instead of letting the others wait for it.

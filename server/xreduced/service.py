@@ -198,6 +198,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             local_lane_connections=lane_connections,
             local_lane_calls=lane_calls,
             mapped_bytes=self.regions.mapped.value,
+            node_id=self.peers.node_id,
             oom_score_adj=oom.score_adj() or 0,
         )
 

@@ -408,7 +408,7 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls_by_code: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups", "local_lane", "local_lane_connections", "local_lane_calls", "mapped_bytes", "oom_score_adj")
+    __slots__ = ("version", "backend", "devices", "uptime_seconds", "limits", "methods", "inflight_bytes", "collectives_waiting", "tls", "mutual_tls", "token_auth", "groups", "local_lane", "local_lane_connections", "local_lane_calls", "mapped_bytes", "oom_score_adj", "node_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class GetStatusResponse(_message.Message):
     LOCAL_LANE_CALLS_FIELD_NUMBER: _ClassVar[int]
     MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     OOM_SCORE_ADJ_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
@@ -443,7 +444,8 @@ class GetStatusResponse(_message.Message):
     local_lane_calls: int
     mapped_bytes: int
     oom_score_adj: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., local_lane: _Optional[str] = ..., local_lane_connections: _Optional[int] = ..., local_lane_calls: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., oom_score_adj: _Optional[int] = ...) -> None: ...
+    node_id: str
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., inflight_bytes: _Optional[int] = ..., collectives_waiting: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., token_auth: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., local_lane: _Optional[str] = ..., local_lane_connections: _Optional[int] = ..., local_lane_calls: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., oom_score_adj: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("node_index", "address", "process_ids", "reason")
