@@ -294,9 +294,29 @@ class SharedArrays:
         weakref.finalize(seg.base, self._releases.later, self._forget, seg.pid, seg.address, seg.name)
         return array
 
-    def _forget(self, pid: int, address: int, name: str) -> None:
-        """The last view of a segment is gone: unlink it, and unregister it everywhere (in the background).
-        (Not in a forked child: the segment is its parent's.)"""
+    def add_external(self, name: str, start: int, size: int, owner: object) -> None:
+        """Arrays inside another allocator's shared-memory object (``/dev/shm/<name>``, mapped in this process at
+        address ``start`` for ``size`` bytes while ``owner`` lives) are found as a :func:`shared_array`'s are: the
+        SDK sends them, and the daemon writes results into them, without a copy. Never unlinked here; when
+        ``owner`` goes, every daemon that mapped the object is told to let it go (``xreduce.torch`` adds
+        torch's shared storages this way).
+
+        Example:
+            >>> arrays, seg = SharedArrays(Releases()), Segment(4096, "xrdoc")
+            >>> arrays.add_external(seg.name, seg.address, seg.size, seg)
+            >>> arrays.find(seg.base[64:128].view(np.float32))[1:]
+            (64, 4096)
+            >>> seg.unlink()
+        """
+        with self._lock:
+            bisect.insort(self._starts, start)
+            self._entries[start] = (name, size, weakref.ref(owner))
+            self._users[name] = weakref.WeakSet()
+        weakref.finalize(owner, self._releases.later, self._forget, os.getpid(), start, name, False)
+
+    def _forget(self, pid: int, address: int, name: str, owned: bool = True) -> None:
+        """The last view of a segment is gone: unlink it (when this process made it), and unregister it
+        everywhere (in the background). (Not in a forked child: the segment is its parent's.)"""
         if os.getpid() != pid:
             return
         with self._lock:
@@ -305,7 +325,8 @@ class SharedArrays:
                 del self._starts[i]
             self._entries.pop(address, None)
             users = list(self._users.pop(name, ()))
-        unlink(name)
+        if owned:
+            unlink(name)
         for user in users:
             self._releases.later_remote(user.forget, name)
 

@@ -29,6 +29,7 @@ from xreduce._job_devices import job_devices
 from xreduce._ops import CommunicationOptions, HierarchicalCopyAllReduce
 from xreduce._values import PerReplica
 from xreduce.torch import _rendezvous
+from xreduce.torch._shared import SharedStorages
 from xreduce.torch._tensors import GATHERED, check_tensor, checked_op, filler, from_sdk, to_sdk
 from xreduce.torch._work import Runner, Work
 
@@ -83,6 +84,7 @@ class ProcessGroupXReduce(ProcessGroup):
         self._ops = _GroupOps(group, address)
         self._options = CommunicationOptions(timeout_seconds=timeout.total_seconds())
         self._runner = Runner(group.group if group is not None else "one")
+        self._shared = SharedStorages()
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -185,6 +187,40 @@ class ProcessGroupXReduce(ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Work:
+        """The reduction into the root rank's tensors (``opts.rootRank``); here every rank's gets it."""
+        return self.allreduce(tensors, opts)
+
+    def _not_here(self, name: str) -> Work:
+        raise NotImplementedError(f"the xreduce backend has no {name}: it reduces; use the gloo or nccl backend "
+                                  f"for {name} (e.g. a second group, dist.new_group(backend='gloo'))")
+
+    def send(self, *args: Any) -> Work:
+        """Not provided (point to point): raises ``NotImplementedError``."""
+        return self._not_here("send")
+
+    def recv(self, *args: Any) -> Work:
+        """Not provided (point to point): raises ``NotImplementedError``."""
+        return self._not_here("recv")
+
+    def recv_anysource(self, *args: Any) -> Work:
+        """Not provided (point to point): raises ``NotImplementedError``."""
+        return self._not_here("recv")
+
+    def gather(self, *args: Any) -> Work:
+        """Not provided: raises ``NotImplementedError`` (``all_gather`` is)."""
+        return self._not_here("gather")
+
+    def scatter(self, *args: Any) -> Work:
+        """Not provided: raises ``NotImplementedError``."""
+        return self._not_here("scatter")
+
+    def alltoall(self, *args: Any) -> Work:
+        """Not provided: raises ``NotImplementedError``."""
+        return self._not_here("all_to_all")
+
+    alltoall_base = alltoall
+
     def barrier(self, opts: Any = None) -> Work:
         """Done once every rank has called it."""
         flag = torch.zeros(1)
@@ -198,6 +234,7 @@ class ProcessGroupXReduce(ProcessGroup):
             return
         self._closed = True
         self._runner.close()
+        self._shared.clear()
         self._ops.close()
         self._state.shutdown()
 
@@ -249,6 +286,9 @@ class ProcessGroupXReduce(ProcessGroup):
     def _sum(self, tensors: list[torch.Tensor]) -> None:
         """The sum over the group of each tensor, written into it: one call for all of them."""
         work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        for t, w in zip(tensors, work):
+            if w is t and t.device.type == "cpu":
+                self._shared.share(t)  # reduced again and again (DDP's buckets): into shared memory, once
         arrays = [to_sdk(t) for t in work]
         pairs = [(PerReplica([a], devices=[self._device]), self._device) for a in arrays]
         host = all(type(a).__module__ == "numpy" for a in arrays)

@@ -1,0 +1,68 @@
+"""One rank of ``bench/torch_ddp.py``: DDP training steps of a model on random data, timed.
+
+    python -m xreduce_bench.torch_job --backend xreduce|gloo|hook --model mlp|resnet50 [--steps N] [--batch B]
+
+The rank reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun sets them). ``hook`` is Gloo's
+default group with DDP's gradients through the daemon (``xreduce.torch.allreduce_hook``). After ``--warmup``
+steps it times ``--steps`` steps (forward, backward with DDP's bucket all-reduces overlapping it, SGD) and prints
+one JSON line: the median and mean step time, and a checksum of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from xreduce_bench.torch_models import MODELS
+
+INPUTS = {"mlp": lambda b, g: torch.randn(b, 1024, generator=g),
+          "resnet50": lambda b, g: torch.randn(b, 3, 64, 64, generator=g)}
+"""A batch of inputs per model (ResNet-50 on 64x64 images: small, so that communication matters)."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["xreduce", "gloo", "hook"], required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    if args.backend != "gloo":
+        import xreduce.torch  # registers the backend
+
+    dist.init_process_group("gloo" if args.backend == "hook" else args.backend)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MODELS[args.model]()
+    ddp = DistributedDataParallel(model)
+    if args.backend == "hook":
+        ddp.register_comm_hook(dist.new_group(backend="xreduce"), xreduce.torch.allreduce_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    data = torch.Generator().manual_seed(1 + rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        x = INPUTS[args.model](args.batch, data)
+        dist.barrier() if step == args.warmup else None  # the timed steps start together
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        ddp(x).float().square().mean().backward()
+        optimizer.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print(json.dumps({"event": "steps", "rank": rank, "backend": args.backend, "model": args.model,
+                      "median_s": statistics.median(times), "mean_s": statistics.mean(times),
+                      "weights": digest[:16]}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
