@@ -15,6 +15,7 @@ HOST_WIDE = frozenset({
     "tests/multinode/test_seed_cluster.py",  # namespaces at the seed's addresses
     "tests/multinode/test_nodes_names.py",  # namespaces at the seed's addresses
     "tests/multinode/test_tf_nodes.py",  # namespaces at the seed's addresses
+    "tests/multinode/test_torch_nodes.py",  # namespaces at the seed's addresses
 })
 """Test modules that use something of the whole host (a fixed port, Docker, network namespaces): under
 pytest-xdist one worker runs them all, one after another."""

@@ -31,13 +31,25 @@ class Work(_Work):
         >>> f = Future(); w = Work(f); f.set_result([torch.ones(1)])
         >>> w.wait(), w.is_completed(), w.result()
         (True, True, [tensor([1.])])
+        >>> f = Future(); w = Work(f); f.set_exception(dist.DistBackendError("process 1 ended"))
+        >>> w.is_success(), w.get_future().done()
+        (False, True)
+        >>> w.wait()
+        Traceback (most recent call last):
+        ...
+        torch.distributed.DistBackendError: process 1 ended
     """
 
     def __init__(self, future: Future):
         super().__init__()
-        self._future = future
+        self._source = future
+        # What get_future() hands out is chained on `future`, not `future` itself: set_exception completes a
+        # future with the exception as its value, which only Python's wait() raises; torch's C++ side (DDP's
+        # reducer) takes that value for the result and crashes. A callback that raises fails the chained one
+        # in C++ as well.
+        self._future = future.then(_raise_error)
         self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
+        self._future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Blocks until the collective is done; raises its error (a ``DistBackendError``, ...).
@@ -47,11 +59,13 @@ class Work(_Work):
         """
         if timeout is not None and timeout.total_seconds() > 0 and not self._done.wait(timeout.total_seconds()):
             raise dist.DistBackendError(f"xreduce: the collective was not done within {timeout.total_seconds()} s")
-        self._future.wait()
+        self._done.wait()  # the chained future too: its callback runs after `future` completes
+        self._source.wait()
         return True
 
     def get_future(self) -> Future:
-        """The future of the output tensors (what DDP chains its bucket's work on)."""
+        """The future of the output tensors (what DDP chains its bucket's work on); a failed collective fails
+        it with a ``RuntimeError`` carrying the error's type and message."""
         return self._future
 
     def is_completed(self) -> bool:
@@ -63,17 +77,22 @@ class Work(_Work):
         if not self._future.done():
             return False
         try:
-            self._future.value()
+            self._source.value()
         except Exception:
             return False
         return True
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors (waits)."""
-        return self._future.wait()
+        self.wait()
+        return self._source.value()
 
     def synchronize(self) -> None:
         """Nothing to do: results are in place once the future completes."""
+
+
+def _raise_error(future: Future) -> Any:
+    return future.value()  # raises what set_exception set
 
 
 class Runner:
