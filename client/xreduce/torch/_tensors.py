@@ -123,9 +123,20 @@ def torch_error(error: BaseException) -> BaseException:
         >>> e = torch_error(_errors.AbortedError("process 1 of group g ended", grpc.StatusCode.ABORTED))
         >>> type(e).__name__, str(e)
         ('DistBackendError', 'process 1 of group g ended')
+        >>> str(torch_error(_errors.AbortedError("lost; every process must shutdown() and initialize() again")))
+        'lost; every rank must destroy_process_group() and init_process_group() again'
     """
     if not isinstance(error, _errors.XReduceError) or isinstance(error, ValueError):
         return error
     if isinstance(error, _errors.UnavailableError):
         return dist.DistNetworkError(str(error))
-    return dist.DistBackendError(str(error))
+    message = str(error)
+    for advice in _KERAS_ADVICE:  # the daemon speaks to xreduce.distribution's users; say it in torch's terms
+        message = message.replace(advice, TORCH_ADVICE)
+    return dist.DistBackendError(message)
+
+
+_KERAS_ADVICE = ("call xreduce.distribution.shutdown() and initialize() again on every process for a new epoch",
+                 "every process must shutdown() and initialize() again")
+TORCH_ADVICE = "every rank must destroy_process_group() and init_process_group() again"
+"""What the message of a failed group tells a torch user to do."""
