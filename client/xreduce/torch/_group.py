@@ -7,9 +7,10 @@ group's worker thread (:mod:`xreduce.torch._work`):
 * ``allreduce`` (and ``allreduce_coalesced``): one ``batch_reduce`` of the tensors, written back into
   them (``out=``: a CPU tensor's own memory). SUM and AVG on the daemon (AVG: the sum divided by the
   group's size); MIN, MAX and PRODUCT over the gathered tensors, folded in rank order in each rank.
-* ``allgather``/``all_gather_single``: each rank's tensor in its slot of a buffer that holds -0.0 (0 for
-  integers) elsewhere, summed: ``x + -0.0`` is ``x`` bit for bit, so the gather is exact.
-* ``broadcast``: the same sum, every rank but the root contributing -0.0.
+* ``allgather``/``all_gather_single``: each rank's tensor in its slot of a buffer that holds 0 elsewhere,
+  summed as integers of the elements' width (:func:`xreduce.torch._tensors.as_bits`): ``x + 0`` is ``x`` for
+  every bit pattern, so the gather is exact, NaN payloads and signalling NaNs included.
+* ``broadcast``: the same sum, every rank but the root contributing 0.
 * ``reduce_scatter``/``reduce_scatter_single``: the all-reduce of the whole input, each rank keeping its part.
 * ``barrier``: an all-reduce of one element.
 """
@@ -30,7 +31,7 @@ from xreduce._ops import CommunicationOptions, HierarchicalCopyAllReduce
 from xreduce._values import PerReplica
 from xreduce.torch import _rendezvous
 from xreduce.torch._shared import SharedStorages
-from xreduce.torch._tensors import GATHERED, check_tensor, checked_op, filler, from_sdk, to_sdk
+from xreduce.torch._tensors import GATHERED, as_bits, check_tensor, checked_op, from_sdk, to_sdk
 from xreduce.torch._work import Runner, Work
 
 BACKEND = "xreduce"
@@ -119,10 +120,11 @@ class ProcessGroupXReduce(ProcessGroup):
             check_tensor(t, f"tensors[{i}]")
 
         def run() -> list[torch.Tensor]:
+            bits = [as_bits(t) for t in tensors]
             if self.rank() != root:
-                for t in tensors:
-                    t.fill_(filler(t))
-            self._sum(tensors)
+                for b in bits:
+                    b.zero_()
+            self._sum(bits)
             return tensors
 
         return self._submit(run)
@@ -278,10 +280,11 @@ class ProcessGroupXReduce(ProcessGroup):
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t``, flattened, one row per rank."""
-        buffer = torch.full((self.size(), t.numel()), filler(t), dtype=t.dtype, device=t.device)
-        buffer[self.rank()].copy_(t.reshape(-1))
+        bits = as_bits(t)
+        buffer = torch.zeros((self.size(), bits.numel()), dtype=bits.dtype, device=t.device)
+        buffer[self.rank()].copy_(bits.reshape(-1))
         self._sum([buffer])
-        return buffer
+        return buffer.view(t.dtype)
 
     def _sum(self, tensors: list[torch.Tensor]) -> None:
         """The sum over the group of each tensor, written into it: one call for all of them."""

@@ -102,15 +102,24 @@ def from_sdk(a, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(a).to(like.dtype)
 
 
-def filler(t: torch.Tensor) -> float | int:
-    """What a rank that contributes nothing adds to a sum: -0.0 for floating types (``x + -0.0`` is ``x``
-    bit for bit, ``-0.0`` included), else 0.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as integers of its element's width (a complex one's as its parts'), for copies through a
+    sum: ``x + 0`` is ``x`` for every bit pattern, where a float sum would quiet a signalling NaN or, in
+    ``bfloat16`` (summed in float32), drop a NaN's payload. An integer tensor as it is.
 
     Example:
-        >>> filler(torch.zeros(1)), filler(torch.zeros(1, dtype=torch.int32))
-        (-0.0, 0)
+        >>> t = torch.tensor([-0.0, float("nan")], dtype=torch.bfloat16)
+        >>> as_bits(t).dtype, as_bits(t).data_ptr() == t.data_ptr()
+        (torch.int16, True)
+        >>> as_bits(torch.zeros(3, dtype=torch.complex64)).shape
+        torch.Size([3, 2])
     """
-    return -0.0 if t.dtype.is_floating_point or t.dtype.is_complex else 0
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    return t if not t.dtype.is_floating_point else t.view(_BITS[t.element_size()])
 
 
 def torch_error(error: BaseException) -> BaseException:

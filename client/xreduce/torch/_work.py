@@ -31,25 +31,33 @@ class Work(_Work):
         >>> f = Future(); w = Work(f); f.set_result([torch.ones(1)])
         >>> w.wait(), w.is_completed(), w.result()
         (True, True, [tensor([1.])])
+
+        A failed collective: ``wait()`` raises its error; ``get_future()`` fails as a C++ future fails, as DDP's
+        reducer needs it to (it raises that in ``backward()``):
+
         >>> f = Future(); w = Work(f); f.set_exception(dist.DistBackendError("process 1 ended"))
-        >>> w.is_success(), w.get_future().done()
-        (False, True)
+        >>> w.is_completed(), w.is_success()
+        (True, False)
         >>> w.wait()
         Traceback (most recent call last):
         ...
         torch.distributed.DistBackendError: process 1 ended
+        >>> w.get_future().wait()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Got the following error when running the callback: DistBackendError: process 1 ended...
     """
 
     def __init__(self, future: Future):
         super().__init__()
-        self._source = future
-        # What get_future() hands out is chained on `future`, not `future` itself: set_exception completes a
-        # future with the exception as its value, which only Python's wait() raises; torch's C++ side (DDP's
-        # reducer) takes that value for the result and crashes. A callback that raises fails the chained one
-        # in C++ as well.
-        self._future = future.then(_raise_error)
+        self._future = future
+        # What C++ sees: DDP's reducer reads get_future()'s value as tensors, and Future.set_exception only
+        # stores the exception as a value (it is raised in Python alone), which the reducer then takes for an
+        # empty list of tensors and crashes. A callback that raises completes its chained future with a C++
+        # error, which the reducer raises in backward(): a RuntimeError naming the DistBackendError.
+        self._chained = future.then(lambda f: f.value())
         self._done = threading.Event()
-        self._future.add_done_callback(lambda _: self._done.set())
+        self._chained.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Blocks until the collective is done; raises its error (a ``DistBackendError``, ...).
@@ -59,40 +67,35 @@ class Work(_Work):
         """
         if timeout is not None and timeout.total_seconds() > 0 and not self._done.wait(timeout.total_seconds()):
             raise dist.DistBackendError(f"xreduce: the collective was not done within {timeout.total_seconds()} s")
-        self._done.wait()  # the chained future too: its callback runs after `future` completes
-        self._source.wait()
+        self._future.wait()  # raises the collective's own error (a DistBackendError, ...)
+        self._chained.wait()
         return True
 
     def get_future(self) -> Future:
-        """The future of the output tensors (what DDP chains its bucket's work on); a failed collective fails
-        it with a ``RuntimeError`` carrying the error's type and message."""
-        return self._future
+        """The future of the output tensors (what DDP chains its bucket's work on); a failed collective's
+        raises a ``RuntimeError`` whose message names its error (``DistBackendError: ...``)."""
+        return self._chained
 
     def is_completed(self) -> bool:
         """Whether the collective is done (successfully or not)."""
-        return self._future.done()
+        return self._chained.done()
 
     def is_success(self) -> bool:
         """Whether the collective is done without an error."""
-        if not self._future.done():
+        if not self._chained.done():
             return False
         try:
-            self._source.value()
+            self._future.value()
         except Exception:
             return False
         return True
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors (waits)."""
-        self.wait()
-        return self._source.value()
+        return self._future.wait()
 
     def synchronize(self) -> None:
         """Nothing to do: results are in place once the future completes."""
-
-
-def _raise_error(future: Future) -> Any:
-    return future.value()  # raises what set_exception set
 
 
 class Runner:

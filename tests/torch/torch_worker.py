@@ -1,0 +1,442 @@
+"""One rank of the torch tests: ``python torch_worker.py --rank R --world-size N --store-port P MODE ...``.
+
+It meets the other ranks at the test's ``TCPStore`` (``torch_ranks.Ranks`` serves it), forms its groups with
+``init_process_group(store=...)`` and prints what it saw as JSON lines on stdout. Modes:
+
+* ``ddp``: the same small MLP, data and seeds trained with DDP over xreduce, over Gloo, and over Gloo with
+  ``xreduce.torch.allreduce_hook`` on an xreduce group (``--variants``); rank 0 saves each's weights (``--out``).
+* ``train``: DDP over xreduce until a collective fails (a rank killed): a ``training`` event once it trains,
+  then an ``error`` event with the exception's type and message, and the process exits.
+* ``collectives``: every collective and reduce op through ``torch.distributed``'s API on the xreduce group,
+  beside Gloo's result on a Gloo group of the same ranks and the exact result (``--suite all`` or ``four``).
+* ``timeout``: ``init_process_group(timeout=--timeout)``; rank 0 alone enters a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xreduce.torch
+from torch.nn.parallel import DistributedDataParallel
+
+STORE_WAIT = datetime.timedelta(seconds=120)
+"""How long a rank waits at the store for the others (far above a test's own timeouts)."""
+
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "uint8")}
+OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+
+# Bit patterns a copy must keep: -0.0, a quiet NaN with a payload, a negative one, +inf, the smallest
+# subnormal, a signalling NaN with a payload.
+SPECIAL_BITS = {
+    "float32": [0x80000000, 0x7FC12345, 0xFFC00001, 0x7F800000, 0x00000001, 0x7F812345],
+    "float64": [1 << 63, 0x7FF8000000012345, 0xFFF8000000000001, 0x7FF0000000000000, 1, 0x7FF0000000012345],
+    "float16": [0x8000, 0x7E45, 0xFE01, 0x7C00, 0x0001, 0x7D01],
+    "bfloat16": [0x8000, 0x7FC5, 0xFFC1, 0x7F80, 0x0001, 0x7F81],
+}
+_WORDS = {2: (np.uint16, np.int16), 4: (np.uint32, np.int32), 8: (np.uint64, np.int64)}
+
+
+def emit(**event) -> None:
+    """One JSON line on stdout."""
+    print(json.dumps(event), flush=True)
+
+
+def encode(t: torch.Tensor) -> dict:
+    """A tensor as the tests compare it: its bytes (bit for bit) and its values (to read)."""
+    t = t.detach().contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "bits": t.view(-1).view(torch.uint8).numpy().tobytes().hex(), "values": t.tolist()}
+
+
+def error(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+
+
+def digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+
+
+# --- ddp and train ----------------------------------------------------------------------------------------------
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 1))
+
+
+class Batches:
+    """This rank's regression batches: its own inputs, one target function for every rank."""
+
+    def __init__(self, rank: int):
+        self._inputs = torch.Generator().manual_seed(1000 + rank)
+        self._truth = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
+
+    def step(self, ddp: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        x = torch.randn(16, 32, generator=self._inputs)
+        loss = torch.nn.functional.mse_loss(ddp(x), x @ self._truth)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+
+def ddp(args: argparse.Namespace, store: dist.Store) -> None:
+    dist.init_process_group(args.default, store=store, rank=args.rank, world_size=args.world_size)
+    xreduce_group = dist.group.WORLD if args.default == "xreduce" else dist.new_group(backend="xreduce")
+    gloo_group = dist.group.WORLD if args.default == "gloo" else dist.new_group(backend="gloo")
+    weights = {}
+    for variant in args.variants.split(","):
+        model = mlp()
+        net = DistributedDataParallel(model, process_group=xreduce_group if variant == "xreduce" else gloo_group)
+        if variant == "hook":
+            net.register_comm_hook(xreduce_group, xreduce.torch.allreduce_hook)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        batches = Batches(args.rank)
+        started = time.monotonic()
+        losses = [batches.step(net, optimizer) for _ in range(args.steps)]
+        weights[variant] = [p.detach().clone() for p in model.parameters()]
+        emit(event="trained", variant=variant, losses=losses, digest=digest(model),
+             seconds=round(time.monotonic() - started, 3))
+    if args.rank == 0:
+        torch.save(weights, args.out)
+    dist.destroy_process_group()
+    emit(event="done")
+
+
+def train(args: argparse.Namespace, store: dist.Store) -> None:
+    dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size)
+    model = mlp()
+    net = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = Batches(args.rank)
+    step = 0
+    try:
+        while step < args.steps:
+            batches.step(net, optimizer)
+            step += 1
+            if step == 3:
+                emit(event="training")
+    except Exception as e:  # noqa: BLE001 - what the rank saw is the test's result
+        emit(event="error", step=step, at=time.time(), **error(e))
+        sys.exit(1)
+    dist.destroy_process_group()
+    emit(event="done", step=step)
+
+
+# --- collectives ------------------------------------------------------------------------------------------------
+
+class Ctx:
+    """What a case needs: this rank, the group's size, a Gloo group of the same ranks, the store."""
+
+    def __init__(self, rank: int, size: int, gloo: dist.ProcessGroup, store: dist.Store):
+        self.rank, self.size, self.gloo, self.store = rank, size, gloo, store
+
+
+def ints(rank: int, dtype: torch.dtype, seed: int, low: int = -8, high: int = 9, n: int = 7) -> torch.Tensor:
+    """Small whole numbers: every sum, product and mean of a few of them is exact in every dtype here, in
+    any order of additions."""
+    generator = torch.Generator().manual_seed(seed * 64 + rank)
+    return torch.randint(0 if dtype == torch.uint8 else low, high, (n,), generator=generator).to(dtype)
+
+
+def randoms(rank: int, dtype: torch.dtype, seed: int, n: int = 9) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 64 + rank), dtype=torch.float64).to(dtype)
+
+
+def payload(rank: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A rank's tensor for copies: the special bit patterns (rotated by rank) and random values."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in SPECIAL_BITS:
+        return ints(rank, dtype, seed)
+    unsigned, signed = _WORDS[torch.tensor([], dtype=dtype).element_size()]
+    special = torch.from_numpy(np.array(SPECIAL_BITS[name], dtype=np.uint64).astype(unsigned).view(signed)).view(dtype)
+    return torch.cat([special.roll(rank), randoms(rank, dtype, seed, 5)])
+
+
+def fold(op: str, parts: list[torch.Tensor], size: int) -> torch.Tensor:
+    """``op`` over the ranks' tensors in rank order, in their dtype: the exact result for :func:`ints`."""
+    if op in ("SUM", "AVG"):
+        total = functools.reduce(torch.add, parts)
+        if op == "SUM":
+            return total
+        return total / size if total.dtype.is_floating_point else torch.div(total, size, rounding_mode="trunc")
+    return functools.reduce({"MIN": torch.minimum, "MAX": torch.maximum, "PRODUCT": torch.mul}[op], parts)
+
+
+def side_by_side(ctx: Ctx, run: Callable[[dist.ProcessGroup | None], torch.Tensor], expected: torch.Tensor) -> dict:
+    """``run(group)`` on the xreduce group (None: the default one) and on the Gloo group (or why Gloo refused),
+    beside the exact result."""
+    try:
+        gloo = encode(run(ctx.gloo))
+    except (RuntimeError, ValueError) as e:
+        gloo = {"unsupported": f"{type(e).__name__}: {e}"}
+    return {"xreduce": encode(run(None)), "gloo": gloo, "expected": encode(expected)}
+
+
+def reduce_op(op: str) -> dist.ReduceOp:
+    return getattr(dist.ReduceOp, op)
+
+
+def all_reduce(ctx: Ctx, op: str, data: Callable[[int], torch.Tensor]) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        t = data(ctx.rank)
+        if group is ctx.gloo and op == "AVG" and not t.dtype.is_floating_point:  # Gloo averages floats only
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return torch.div(t, ctx.size, rounding_mode="trunc")
+        dist.all_reduce(t, op=reduce_op(op), group=group)
+        return t
+
+    return side_by_side(ctx, run, fold(op, [data(r) for r in range(ctx.size)], ctx.size))
+
+
+def refused(ctx: Ctx, op: str | None) -> dict:
+    """``op`` (a bitwise one) or a bool tensor: refused before anything is sent."""
+    t = torch.ones(3, dtype=torch.int64 if op else torch.bool)
+    try:
+        dist.all_reduce(t, op=reduce_op(op or "SUM"))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": error(e)}
+    return {"error": None}
+
+
+def broadcast(ctx: Ctx, src: int, dtype: torch.dtype) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        t = payload(ctx.rank, dtype, 1)
+        dist.broadcast(t, src, group=group)
+        return t
+
+    return side_by_side(ctx, run, payload(src, dtype, 1))
+
+
+def all_gather(ctx: Ctx, dtype: torch.dtype) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        mine = payload(ctx.rank, dtype, 2)
+        out = [torch.empty_like(mine) for _ in range(ctx.size)]
+        dist.all_gather(out, mine, group=group)
+        return torch.stack(out)
+
+    return side_by_side(ctx, run, torch.stack([payload(r, dtype, 2) for r in range(ctx.size)]))
+
+
+def all_gather_into_tensor(ctx: Ctx, dtype: torch.dtype) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        mine = payload(ctx.rank, dtype, 3)
+        out = torch.empty(ctx.size * mine.numel(), dtype=dtype)
+        dist.all_gather_into_tensor(out, mine, group=group)
+        return out
+
+    return side_by_side(ctx, run, torch.cat([payload(r, dtype, 3) for r in range(ctx.size)]))
+
+
+def all_gather_object(ctx: Ctx) -> dict:
+    def obj(rank: int) -> dict:
+        return {"rank": rank, "text": "é" * (rank + 1), "nested": [rank, None, 1.5] * (rank + 1)}
+
+    ours: list = [None] * ctx.size
+    dist.all_gather_object(ours, obj(ctx.rank))
+    theirs: list = [None] * ctx.size
+    dist.all_gather_object(theirs, obj(ctx.rank), group=ctx.gloo)
+    return {"xreduce": ours, "gloo": theirs, "expected": [obj(r) for r in range(ctx.size)]}
+
+
+def reduce_scatter(ctx: Ctx, op: str, dtype: torch.dtype) -> dict:
+    def parts(rank: int) -> list[torch.Tensor]:
+        return [ints(rank, dtype, 10 + i, -3, 4, 5) for i in range(ctx.size)]
+
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        out = torch.empty(5, dtype=dtype)
+        dist.reduce_scatter(out, parts(ctx.rank), op=reduce_op(op), group=group)
+        return out
+
+    return side_by_side(ctx, run, fold(op, [parts(r)[ctx.rank] for r in range(ctx.size)], ctx.size))
+
+
+def reduce_scatter_tensor(ctx: Ctx, op: str, dtype: torch.dtype) -> dict:
+    def whole(rank: int) -> torch.Tensor:
+        return ints(rank, dtype, 20, -3, 4, 3 * ctx.size)
+
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        out = torch.empty(3, dtype=dtype)
+        dist.reduce_scatter_tensor(out, whole(ctx.rank), op=reduce_op(op), group=group)
+        return out
+
+    total = fold(op, [whole(r) for r in range(ctx.size)], ctx.size)
+    return side_by_side(ctx, run, total[3 * ctx.rank:3 * ctx.rank + 3])
+
+
+def barrier(ctx: Ctx) -> dict:
+    """Rank 0 enters first; the last rank enters only once rank 0 is about to: rank 0's barrier returns
+    after the last rank's entry (an order, seen in the store)."""
+    last = ctx.size - 1
+    if ctx.rank == last:
+        ctx.store.wait(["barrier/0"], STORE_WAIT)
+        ctx.store.set(f"barrier/{last}", "entered")
+    elif ctx.rank == 0:
+        ctx.store.set("barrier/0", "entering")
+    dist.barrier()
+    return {"checks": {"the last rank had entered": ctx.store.check([f"barrier/{last}"])}}
+
+
+def noncontiguous(ctx: Ctx, how: str) -> dict:
+    """Views that are not contiguous: results land in the view, the rest of its base untouched."""
+    def base(rank: int) -> torch.Tensor:
+        return ints(rank, torch.float32, 30, n=24).reshape(4, 6)
+
+    ours, expected = base(ctx.rank), base(ctx.rank)
+    bases = [base(r) for r in range(ctx.size)]
+    if how == "transposed_sum":
+        dist.all_reduce(ours.t())
+        expected = fold("SUM", bases, ctx.size)
+    elif how == "strided_max":
+        dist.all_reduce(ours[:, ::2], op=dist.ReduceOp.MAX)
+        expected[:, ::2] = fold("MAX", [b[:, ::2] for b in bases], ctx.size)
+    elif how == "broadcast_rows":
+        dist.broadcast(ours[1::2], 1)
+        expected[1::2] = bases[1][1::2]
+    else:  # a column gathered
+        gathered = torch.empty(ctx.size * 4)
+        dist.all_gather_into_tensor(gathered, ours[:, 1])
+        return {"xreduce": encode(gathered), "expected": encode(torch.cat([b[:, 1] for b in bases]))}
+    return {"xreduce": encode(ours), "expected": encode(expected)}
+
+
+def async_op(ctx: Ctx) -> dict:
+    """Rank 0's ``all_reduce(async_op=True)`` returns while the others have not entered it: they enter only
+    once rank 0 has looked at its work (an order, through the store, not a delay)."""
+    t = torch.full((5,), float(ctx.rank + 1))
+    expected = sum(range(1, ctx.size + 1))
+    if ctx.rank != 0:
+        ctx.store.wait(["async/looked"], STORE_WAIT)
+        work = dist.all_reduce(t, async_op=True)
+        return {"checks": {"wait() is True": work.wait() is True, "the sum": bool((t == expected).all())}}
+    work = dist.all_reduce(t, async_op=True)
+    completed_before = work.is_completed()
+    ctx.store.set("async/looked", "1")
+    waited = work.wait()
+    value = work.get_future().value()
+    return {"checks": {
+        "not completed before the others entered": completed_before is False,
+        "wait() is True": waited is True,
+        "completed after wait()": work.is_completed(),
+        "is_success()": work.is_success(),
+        "the future's value is the tensor, reduced": value[0].data_ptr() == t.data_ptr(),
+        "the sum": bool((t == expected).all()),
+    }}
+
+
+def async_many(ctx: Ctx) -> dict:
+    """Several collectives in flight at once, waited for in reverse order: each has its own result."""
+    tensors = [torch.full((3,), float(ctx.rank + i)) for i in range(6)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    gathered = [torch.empty(2) for _ in range(ctx.size)]
+    works.append(dist.all_gather(gathered, torch.full((2,), float(ctx.rank)), async_op=True))
+    done = [w.wait() for w in reversed(works)]
+    sums = [sum(r + i for r in range(ctx.size)) for i in range(6)]
+    return {"checks": {
+        "every wait() is True": all(d is True for d in done),
+        "each sum": [t[0].item() for t in tensors] == sums,
+        "the gather": [g[0].item() for g in gathered] == list(range(ctx.size)),
+    }}
+
+
+def cases(suite: str, size: int) -> dict[str, Callable[[Ctx], dict]]:
+    """The cases of ``suite``, by name, in the order every rank runs them."""
+    found: dict[str, Callable[[Ctx], dict]] = {}
+    full = suite == "all"
+    dtypes = list(DTYPES) if full else ["float32", "bfloat16", "int64"]
+    for op in OPS:
+        for name in dtypes:
+            low, high = (-3, 4) if op == "PRODUCT" else (-8, 9)
+            found[f"all_reduce/{op}/{name}"] = functools.partial(
+                all_reduce, op=op, data=functools.partial(ints, dtype=DTYPES[name], seed=OPS.index(op),
+                                                          low=low, high=high))
+    if full:
+        for name in ("float32", "float64", "float16", "bfloat16"):
+            found[f"all_reduce/SUM/{name}/random"] = functools.partial(
+                all_reduce, op="SUM", data=functools.partial(randoms, dtype=DTYPES[name], seed=5))
+        for op in ("BAND", "BOR", "BXOR"):
+            found[f"refused/{op}"] = functools.partial(refused, op=op)
+        found["refused/bool"] = functools.partial(refused, op=None)
+    for src in ((0, 1) if full else (1, size - 1)):
+        for name in (dtypes if full else ["float32", "bfloat16"]):
+            found[f"broadcast/src{src}/{name}"] = functools.partial(broadcast, src=src, dtype=DTYPES[name])
+    for name in (dtypes if full else ["float16"]):
+        found[f"all_gather/{name}"] = functools.partial(all_gather, dtype=DTYPES[name])
+        found[f"all_gather_into_tensor/{name}"] = functools.partial(all_gather_into_tensor, dtype=DTYPES[name])
+    found["all_gather_object"] = all_gather_object
+    for op in (("SUM", "AVG", "MAX") if full else ("SUM",)):
+        for name in (("float32", "int64") if full else ("float32",)):
+            found[f"reduce_scatter/{op}/{name}"] = functools.partial(reduce_scatter, op=op, dtype=DTYPES[name])
+            found[f"reduce_scatter_tensor/{op}/{name}"] = functools.partial(
+                reduce_scatter_tensor, op=op, dtype=DTYPES[name])
+    found["barrier"] = barrier
+    if full:
+        for how in ("transposed_sum", "strided_max", "broadcast_rows", "gathered_column"):
+            found[f"noncontiguous/{how}"] = functools.partial(noncontiguous, how=how)
+        found["async_many"] = async_many
+    found["async_op"] = async_op
+    return found
+
+
+def collectives(args: argparse.Namespace, store: dist.Store) -> None:
+    dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size)
+    ctx = Ctx(args.rank, args.world_size, dist.new_group(backend="gloo"), store)
+    suite = cases(args.suite, args.world_size)
+    emit(event="cases", names=list(suite))
+    for name, case in suite.items():
+        emit(event="case", case=name, **case(ctx))
+    dist.destroy_process_group()
+    emit(event="done")
+
+
+def timeout(args: argparse.Namespace, store: dist.Store) -> None:
+    dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.all_reduce(torch.ones(1))  # the group works
+    if args.rank == 0:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(2))
+            emit(event="no error")
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            emit(event="error", seconds=time.monotonic() - started, **error(e))
+        store.set("timeout/done", "1")
+    else:
+        store.wait(["timeout/done"], STORE_WAIT)
+    emit(event="done")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    modes = parser.add_subparsers(dest="mode", required=True)
+    p = modes.add_parser("ddp")
+    p.add_argument("--default", choices=["xreduce", "gloo"], default="xreduce")
+    p.add_argument("--variants", default="xreduce,gloo,hook")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", required=True)
+    modes.add_parser("train").add_argument("--steps", type=int, default=100_000)
+    modes.add_parser("collectives").add_argument("--suite", choices=["all", "four"], default="all")
+    modes.add_parser("timeout").add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=STORE_WAIT)
+    # Every rank has started (imported torch) before any forms a group: the groups' timeouts count from here.
+    store.set(f"started/{args.rank}", "1")
+    store.wait([f"started/{r}" for r in range(args.world_size)], STORE_WAIT)
+    {"ddp": ddp, "train": train, "collectives": collectives, "timeout": timeout}[args.mode](args, store)
+
+
+if __name__ == "__main__":
+    main()
