@@ -9,6 +9,8 @@
 #   5. pytest -q -m gpu tests/gpu/test_nodes_nccl.py (at most 150 s): two daemons on the one GPU as two
 #      nodes, their node sums on NCCL (engine gloo+nccl), then one daemon SIGKILLed mid-collective;
 #      needs torch too (Gloo carries the rest: the cluster extra, or the dev extra's pinned torch),
+#   5b. pytest -q -m gpu tests/gpu/test_torch_cuda.py (at most 120 s): xreduce.torch with CUDA tensors, 2 ranks
+#      on the daemon by CUDA IPC against Gloo (needs a torch with CUDA; skipped with the reason otherwise),
 #   6. python bench/gpu_bench.py: 8 logical devices, 256 MiB float32 all-reduce against a
 #      device-to-device copy; CUDA IPC from 2 processes through the daemon against in-process
 #      (at most 120 s),
@@ -21,7 +23,7 @@
 #   BUDGET_S  total seconds for everything (default 540)
 #   OUT       if set, logs land there (else /tmp/xreduce-gpu-check): pytest_backend.log,
 #             junit_backend.xml, pytest_ipc.log, junit_ipc.xml, pytest_sdkipc.log, junit_sdkipc.xml,
-#             pytest_nodes.log, junit_nodes.xml, bench.log
+#             pytest_nodes.log, junit_nodes.xml, pytest_torch.log, junit_torch.xml, bench.log
 #   VENV      where a fresh venv goes when one is needed (default /tmp/xreduce-gpu-venv)
 # Wheels in .whl/*.whl (carried to the device machine) are installed with --no-index into
 # /tmp/site before the tests run, for packages the machine lacks (e.g. grpcio-health-checking).
@@ -150,12 +152,14 @@ rc_backend=0
 rc_ipc=0
 rc_sdkipc=0
 rc_nodes=0
+rc_torch=0
 # The reserves keep time for the later steps: the benchmark 70 s, the nodes step 120 s more, 120 s more for
 # test_sdk_cuda_ipc, 60 s more for test_cuda_ipc (each step's time beyond its 30 s minimum comes from the slack).
 run_tests backend tests/gpu/test_cupy_backend.py 150 370
 run_tests ipc tests/gpu/test_cuda_ipc.py 90 310
 run_tests sdkipc tests/gpu/test_sdk_cuda_ipc.py 150 190
-run_tests nodes tests/gpu/test_nodes_nccl.py 150 70
+run_tests nodes tests/gpu/test_nodes_nccl.py 150 100
+run_tests torch tests/gpu/test_torch_cuda.py 120 70
 
 # --- 6. the benchmark ------------------------------------------------------------
 t_bench=$(step_timeout 120 0)
@@ -177,7 +181,9 @@ else
 fi
 
 say "total $((SECONDS - START))s; test_cupy_backend exit $rc_backend, test_cuda_ipc exit $rc_ipc," \
-    "test_sdk_cuda_ipc exit $rc_sdkipc, test_nodes_nccl exit $rc_nodes, benchmark exit $bench_rc"
+    "test_sdk_cuda_ipc exit $rc_sdkipc, test_nodes_nccl exit $rc_nodes, test_torch_cuda exit $rc_torch," \
+    "benchmark exit $bench_rc"
+# test_torch_cuda's exit is reported, not counted: a GPU host's torch may be a CPU build (it then skips).
 if [ "$rc_backend" -ne 0 ] || [ "$rc_ipc" -ne 0 ] || [ "$rc_sdkipc" -ne 0 ] || [ "$rc_nodes" -ne 0 ]; then
     exit 1
 elif [ "$bench_rc" -ne 0 ]; then

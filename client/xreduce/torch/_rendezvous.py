@@ -5,8 +5,9 @@ writes it to the group's store. Rank 0 reads them all and writes the plan: a gro
 (``torch-<hex>``: jobs and ``new_group`` groups sharing a daemon never meet), and a coordinator
 address when the ranks use more than one daemon (:func:`coordinator_address`). Every rank then joins
 the xreduce group as ``xreduce.distribution.initialize`` joins it (``JoinGroup`` through its daemon,
-bounded by the daemon's ``--collective-timeout``), asking for one device: its GPU when the daemon has
-GPUs and torch uses one, else its daemon's ``local_rank``-th device (``XREDUCE_LOCAL_DEVICES`` wins).
+bounded by the daemon's ``--collective-timeout``), asking for one device: its daemon's ``local_rank``-th
+(``XREDUCE_LOCAL_DEVICES`` wins). On a GPU node that is the GPU torchrun's convention gives the rank
+(``torch.cuda.set_device(local_rank)``) when the daemon drives the node's GPUs in their order.
 """
 
 from __future__ import annotations
@@ -81,19 +82,16 @@ def coordinator_address(env: Mapping[str, str] = os.environ) -> str:
         "as torchrun does; the coordinator then listens at MASTER_PORT + 1)")
 
 
-def local_device(devices: Sequence[str], local_rank: int, gpu: int | None) -> str:
-    """The daemon device this rank asks for: ``GPU:<gpu>`` when given and the daemon has it, else the
-    ``local_rank``-th device of the daemon's list.
+def local_device(devices: Sequence[str], local_rank: int) -> str:
+    """The daemon device this rank asks for: the ``local_rank``-th of the daemon's list.
 
     Raises:
         ValueError: more ranks on the node than the daemon has devices; the message says how to start it.
 
     Example:
-        >>> local_device(["CPU:0", "CPU:1"], 1, None), local_device(["GPU:0", "GPU:1"], 0, 1)
-        ('CPU:1', 'GPU:1')
+        >>> local_device(["CPU:0", "CPU:1"], 1)
+        'CPU:1'
     """
-    if gpu is not None and f"GPU:{gpu}" in devices:
-        return f"GPU:{gpu}"
     if local_rank >= len(devices):
         raise ValueError(
             f"this node has at least {local_rank + 1} ranks of the group but its xreduce daemon has "
@@ -101,12 +99,6 @@ def local_device(devices: Sequence[str], local_rank: int, gpu: int | None) -> st
             f"--virtual-devices {local_rank + 1} or more (XREDUCE_VIRTUAL_DEVICES), or name each rank's device "
             f"with {ENV_LOCAL_DEVICES}")
     return devices[local_rank]
-
-
-def _current_gpu() -> int | None:
-    import torch
-
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def join(store: Any, rank: int, size: int, timeout: datetime.timedelta,
@@ -135,7 +127,7 @@ def join(store: Any, rank: int, size: int, timeout: datetime.timedelta,
     plan = Plan.loads(store.get("xreduce/plan"))
     local_rank = nodes[:rank].count(nodes[rank])
     named = [d.strip() for d in os.environ.get(ENV_LOCAL_DEVICES, "").split(",") if d.strip()]
-    wanted = named or [local_device(devices, local_rank, _current_gpu())]
+    wanted = named or [local_device(devices, local_rank)]
     state = DistributionState(address)
     state.initialize((plan.coordinator,) if plan.coordinator else (), size, rank, group=plan.group,
                      devices=wanted)
