@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from children import child_env
 from netns import INTERFACE, Nodes, needs_namespaces, start_node_daemons
 
 pytestmark = [needs_namespaces, pytest.mark.slow]
@@ -111,9 +111,8 @@ def _pump(proc: subprocess.Popen, lines: queue.SimpleQueue) -> None:
 
 def clean_env() -> dict[str, str]:
     """A child's environment with none of this process's settings (no ``MASTER_*``, no ``XREDUCE_*``), but its
-    ``PYTHONPATH``: this checkout's packages."""
-    path = os.environ.get("PYTHONPATH")
-    return {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": path} if path else {})}
+    ``PYTHONPATH``: this checkout's packages and the tests' helpers (``torch_job``), as :func:`child_env` gives."""
+    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": child_env()["PYTHONPATH"]}
 
 
 def groups(node) -> list[dict]:
