@@ -444,7 +444,7 @@ class CrossDeviceOps:
         named as the caller named them and written into the ``out`` arrays ``check`` returns. Host values of
         more than :func:`xreduce._chunks.chunk_bytes` a replica go in chunks (:meth:`_chunked`)."""
         check = check or (lambda: [None] * len(given))
-        if _chunked_call(given, self._algorithm()):
+        if self._cut(given):
             return self._chunked(op, given, fields, options, group, check)
         arrays: list[list[np.ndarray] | None] = []
 
@@ -454,6 +454,11 @@ class CrossDeviceOps:
 
         results = self._send_once(op, given, fields, options.timeout_seconds, group, single, checked)
         return [_out.written(r, a) for r, a in zip(results, arrays)]
+
+    def _cut(self, given: tuple[Pair, ...]) -> bool:
+        """Whether ``given`` goes in chunks (:func:`_chunked_call`); a subclass that knows nothing is staged
+        (``xreduce.torch``: tensors in shared memory, reduced in place) sends it whole."""
+        return _chunked_call(given, self._algorithm())
 
     def _send_once(self, op: ReduceOp, given: tuple[Pair, ...], fields: list[tuple[str, str]],
                    timeout: float | None, group: ProcessGroup | None, single: bool,

@@ -46,9 +46,15 @@ class _GroupOps(HierarchicalCopyAllReduce):
     def __init__(self, group, address: str | None):
         super().__init__(address=address)
         self._torch_group = group
+        self.in_place_shared = False
+        """Set for a call whose tensors all lie in shared memory, reduced in place: nothing is staged or copied,
+        so it goes whole, not in chunks (which bound the staging memory) and their agreement collective."""
 
     def _group(self):
         return self._torch_group
+
+    def _cut(self, given) -> bool:
+        return not self.in_place_shared and super()._cut(given)
 
 
 class ProcessGroupXReduce(ProcessGroup):
@@ -289,12 +295,12 @@ class ProcessGroupXReduce(ProcessGroup):
     def _sum(self, tensors: list[torch.Tensor]) -> None:
         """The sum over the group of each tensor, written into it: one call for all of them."""
         work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        for t, w in zip(tensors, work):
-            if w is t and t.device.type == "cpu":
-                self._shared.share(t)  # reduced again and again (DDP's buckets): into shared memory, once
+        shared = [w is t and t.device.type == "cpu" and self._shared.share(t)  # DDP's buckets: into shm, once
+                  for t, w in zip(tensors, work)]
         arrays = [to_sdk(t) for t in work]
         pairs = [(PerReplica([a], devices=[self._device]), self._device) for a in arrays]
         host = all(type(a).__module__ == "numpy" for a in arrays)
+        self._ops.in_place_shared = all(shared)
         results = self._ops.batch_reduce("sum", pairs, self._options, out=list(arrays) if host else None)
         for t, w, result in zip(tensors, work, results):
             if not host:
