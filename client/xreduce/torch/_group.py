@@ -57,6 +57,24 @@ class _GroupOps(HierarchicalCopyAllReduce):
         return not self.in_place_shared and super()._cut(given)
 
 
+def _not_provided(name: str, note: str = "") -> Callable[..., Work]:
+    """A collective the backend does not provide: it raises ``NotImplementedError`` naming ``name``.
+
+    Example:
+        >>> _not_provided("scatter")(None)
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: the xreduce backend has no scatter: it reduces; use the gloo or nccl backend for ...
+    """
+
+    def refuse(self: Any, *args: Any) -> Work:
+        raise NotImplementedError(f"the xreduce backend has no {name}: it reduces; use the gloo or nccl backend "
+                                  f"for {name} (e.g. a second group, dist.new_group(backend='gloo'))")
+
+    refuse.__doc__ = f"Not provided{f' ({note})' if note else ''}: raises ``NotImplementedError``."
+    return refuse
+
+
 class ProcessGroupXReduce(ProcessGroup):
     """A ``torch.distributed`` process group over the xreduce daemon (the ``xreduce`` backend).
 
@@ -199,35 +217,11 @@ class ProcessGroupXReduce(ProcessGroup):
         """The reduction into the root rank's tensors (``opts.rootRank``); here every rank's gets it."""
         return self.allreduce(tensors, opts)
 
-    def _not_here(self, name: str) -> Work:
-        raise NotImplementedError(f"the xreduce backend has no {name}: it reduces; use the gloo or nccl backend "
-                                  f"for {name} (e.g. a second group, dist.new_group(backend='gloo'))")
-
-    def send(self, *args: Any) -> Work:
-        """Not provided (point to point): raises ``NotImplementedError``."""
-        return self._not_here("send")
-
-    def recv(self, *args: Any) -> Work:
-        """Not provided (point to point): raises ``NotImplementedError``."""
-        return self._not_here("recv")
-
-    def recv_anysource(self, *args: Any) -> Work:
-        """Not provided (point to point): raises ``NotImplementedError``."""
-        return self._not_here("recv")
-
-    def gather(self, *args: Any) -> Work:
-        """Not provided: raises ``NotImplementedError`` (``all_gather`` is)."""
-        return self._not_here("gather")
-
-    def scatter(self, *args: Any) -> Work:
-        """Not provided: raises ``NotImplementedError``."""
-        return self._not_here("scatter")
-
-    def alltoall(self, *args: Any) -> Work:
-        """Not provided: raises ``NotImplementedError``."""
-        return self._not_here("all_to_all")
-
-    alltoall_base = alltoall
+    send = _not_provided("send", "point to point")
+    recv = recv_anysource = _not_provided("recv", "point to point")
+    gather = _not_provided("gather", "all_gather is")
+    scatter = _not_provided("scatter")
+    alltoall = alltoall_base = _not_provided("all_to_all")
 
     def barrier(self, opts: Any = None) -> Work:
         """Done once every rank has called it."""
