@@ -142,6 +142,9 @@ _HANDSHAKE_HINTS = (
 )
 """Markers of gRPC's TLS handshake failures, and what each means here."""
 
+_CLOSED_ENDINGS = ("Socket closed", "Connection reset by peer (104)")
+"""How gRPC's details end when a connection was accepted and then dropped before the handshake."""
+
 _HANDSHAKE_MARKERS = ("Tls handshake failed", "Handshake read failed", "Handshake write failed", "SSL_ERROR",
                       "TSI_", "Hostname Verification")
 
@@ -150,7 +153,8 @@ def tls_hint(details: str, security: Security | None = None) -> str | None:
     """What a failed connection's gRPC details say about TLS, in words, or None when they say nothing of it.
 
     A TLS daemon closes a plaintext client's connection at once (gRPC says
-    ``Socket closed`` while connecting), a mutual-TLS daemon closes it after
+    ``Socket closed`` while connecting, or ``Connection reset by peer`` when
+    the close found the client's first bytes unread), a mutual-TLS daemon closes it after
     the handshake when the client has no certificate it accepts; a TLS client
     meeting a plaintext daemon, or a certificate it does not trust, fails the
     handshake itself. None of these heals by retrying.
@@ -167,7 +171,7 @@ def tls_hint(details: str, security: Security | None = None) -> str | None:
         >>> tls_hint("failed to connect to all addresses; last error: ...: Connection refused") is None
         True
     """
-    if "failed to connect" in details and details.endswith("Socket closed"):
+    if "failed to connect" in details and details.endswith(_CLOSED_ENDINGS):
         return _closed_hint(security)
     if not any(marker in details for marker in _HANDSHAKE_MARKERS):
         return None
