@@ -1,12 +1,15 @@
 """A Keras training step through the daemon against TensorFlow's own, in the same run: ratios of step times.
 
 Two comparisons, each on an MLP of 82,689 parameters and one of about 1.07 M, global batch 64, SGD with momentum,
-in alternating rounds (xreduce, then the peer, ``--rounds`` times), each job fresh processes:
+``--rounds`` times, each round's jobs fresh processes:
 
 * ``one process``: one process, 2 logical CPUs: ``tf.distribute.MirroredStrategy`` with
-  ``xreduce.tensorflow.HierarchicalCopyAllReduce`` against TF's own ``HierarchicalCopyAllReduce`` (target <= 1.1x);
+  ``xreduce.tensorflow.HierarchicalCopyAllReduce`` against TF's own ``HierarchicalCopyAllReduce`` (target <= 1.1x),
+  both in the same process (the same model fitted under each strategy, timed in turn ``--alternations`` times):
+  this machine's step times change from process to process (about 2, 4 or 7 ms for the same job), and a peer in
+  the same process sees the same;
 * ``two processes``: 2 processes x 1 replica: ``xreduce.tensorflow.MirroredStrategy`` on one daemon against TF's
-  ``MultiWorkerMirroredStrategy`` (RING) between the same two (target <= 0.5x).
+  ``MultiWorkerMirroredStrategy`` (RING) between the same two (target <= 0.5x), xreduce's job then the peer's.
 
 A step's time is the steady one: the slope of an epoch's wall time between an epoch of ``--steps`` steps and one of
 a quarter of them, after a first (tracing) epoch, so that an epoch's own start and end (the iterator, the metrics'
@@ -39,13 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job(argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[dict]:
+def job(argvs: list[list[str]], env: dict[str, str], timeout: float, rounds: list | None = None) -> list[dict]:
+    """Each process's ``fit`` event; its ``round`` events go to ``rounds``."""
     procs = [subprocess.Popen([sys.executable, "-m", "xreduce_bench.keras_job", *argv], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in argvs]
     ended = [p.communicate(timeout=timeout) for p in procs]
     out = []
     for k, (stdout, stderr) in enumerate(ended):
         events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        if rounds is not None:
+            rounds += [e for e in events if e["event"] == "round"]
         last = events[-1] if events else {"event": "none"}
         if last["event"] != "fit":
             last = dict(last, status=procs[k].returncode, stderr=stderr[-3000:])
@@ -69,10 +75,12 @@ def reduction_seconds(metrics: str) -> tuple[float, float]:
 COMPARISONS = ("one process, 2 replicas", "two processes x 1 replica")
 
 
-def ours(name: str, common: list[str]) -> list[list[str]]:
-    """The xreduce job of comparison ``name``: each process's arguments."""
+def ours(name: str, common: list[str], alternations: int = 0) -> list[list[str]]:
+    """The xreduce job of comparison ``name``: each process's arguments (the first's with TF's own strategy in the
+    same process, timed in turn ``alternations`` times)."""
     if name == COMPARISONS[0]:
-        return [["--strategy", "xreduce-ops", "--replicas", "2", "--profile", *common]]
+        return [["--strategy", "xreduce-ops", "--replicas", "2", "--profile", "--alternate-with", "tf-hcar",
+                 "--alternations", str(alternations), *common]]
     return [["--strategy", "xreduce", "--replicas", "1", "--processes", "2", "--process-id", str(k), "--profile",
              *common] for k in range(2)]
 
@@ -91,9 +99,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200, help="steps of the timed epoch")
     p.add_argument("--models", default="mlp,mlp1m")
     p.add_argument("--comparisons", default="1,2", help="1: one process against TF's own; 2: two against MWMS")
+    p.add_argument("--alternations", type=int, default=3,
+                   help="comparison 1: xreduce and TF's own timed in turn this many times in each round's process")
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a process that dies of a signal (one did, SIGSEGV, about once in 30 jobs) prints where.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1")
     metrics = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="xreduce-keras-") as tmp:
         daemon = DaemonProcess(["--listen", f"unix:{tmp}/xreduced.sock", "--metrics-listen", metrics,
@@ -110,22 +122,35 @@ def main() -> int:
                     for r in range(args.rounds):
                         env["XREDUCE_GROUP"] = f"bench-{model}-{r}-{len(name)}"
                         before = reduction_seconds(metrics)
-                        fits = job(ours(name, common), env, args.timeout)
+                        if name == COMPARISONS[0]:  # the peer in the same process, timed in turn
+                            rounds: list[dict] = []
+                            job(ours(name, common, args.alternations), env, args.timeout, rounds)
+                            fits = rounds
+                        else:
+                            fits = job(ours(name, common), env, args.timeout)
                         after = reduction_seconds(metrics)
                         daemon_s = (after[0] - before[0]) / max(after[1] - before[1], 1)
-                        mine.append((max(f["steady_step_seconds"] for f in fits),
-                                     max(f["seconds_per_step"] for f in fits)))
-                        profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
-                                        statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
-                        fits = job(peer(name, common, f"{free_port()},{free_port()}"), env, args.timeout)
-                        theirs.append((max(f["steady_step_seconds"] for f in fits),
-                                       max(f["seconds_per_step"] for f in fits)))
-                        print(f"{model:6s} {name:26s} round {r}: xreduce {mine[-1][0] * 1e3:6.2f} / "
-                              f"{mine[-1][1] * 1e3:6.2f} ms, peer {theirs[-1][0] * 1e3:6.2f} / "
-                              f"{theirs[-1][1] * 1e3:6.2f} ms, ratio {mine[-1][0] / theirs[-1][0]:.2f} / "
-                              f"{mine[-1][1] / theirs[-1][1]:.2f} (bridge {profile[-1][0] * 1e3:.2f} ms, SDK call "
-                              f"{profile[-1][1] * 1e3:.2f} ms, daemon's reduction {profile[-1][2] * 1e3:.2f} ms)",
-                              flush=True)
+                        if name == COMPARISONS[0]:
+                            pairs = [((f["steady_step_seconds"], f["seconds_per_step"]),
+                                      (f["peer_steady_step_seconds"], f["peer_seconds_per_step"])) for f in fits]
+                        else:
+                            peers = job(peer(name, common, f"{free_port()},{free_port()}"), env, args.timeout)
+                            pairs = [((max(f["steady_step_seconds"] for f in fits),
+                                       max(f["seconds_per_step"] for f in fits)),
+                                      (max(f["steady_step_seconds"] for f in peers),
+                                       max(f["seconds_per_step"] for f in peers)))]
+                        for k, (m, t) in enumerate(pairs):
+                            mine.append(m)
+                            theirs.append(t)
+                            profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
+                                            statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
+                            label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
+                            print(f"{model:6s} {name:26s} {label}: xreduce {mine[-1][0] * 1e3:6.2f} / "
+                                  f"{mine[-1][1] * 1e3:6.2f} ms, peer {theirs[-1][0] * 1e3:6.2f} / "
+                                  f"{theirs[-1][1] * 1e3:6.2f} ms, ratio {mine[-1][0] / theirs[-1][0]:.2f} / "
+                                  f"{mine[-1][1] / theirs[-1][1]:.2f} (bridge {profile[-1][0] * 1e3:.2f} ms, SDK "
+                                  f"call {profile[-1][1] * 1e3:.2f} ms, daemon's reduction "
+                                  f"{profile[-1][2] * 1e3:.2f} ms)", flush=True)
                     ratios = [m[0] / t[0] for m, t in zip(mine, theirs)]
                     means = [m[1] / t[1] for m, t in zip(mine, theirs)]
                     rows.append((model, name, statistics.median(m[0] for m in mine),

@@ -16,6 +16,10 @@ Strategies (``--strategy``):
 * ``mwms``: TF's ``MultiWorkerMirroredStrategy`` (RING), one replica per process, workers at
   ``--mwms-ports`` on 127.0.0.1 (the peer of the benchmark).
 
+With ``--alternate-with STRATEGY`` (one process) the same model is also fitted under that strategy in this
+process, and the two are timed in turn ``--alternations`` times, each turn printed as ``{"event": "round", ...}``:
+a peer in the same process (``bench/keras_step.py``'s one-process comparison).
+
 Every process builds the same model from ``--seed`` (process ``p`` adds ``p`` to it, so that
 only a broadcast of the initial values makes them equal) and fits the same global data,
 ``--batch`` rows a step, unshuffled, with SGD and momentum (a wrong gradient scale shows).
@@ -56,6 +60,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timed-epochs", type=int, default=0,
                    help="after the first fit, fit this many epochs more and report seconds per step; then one epoch "
                         "of a quarter of the steps, for the cost of a step without the epoch's own (the slope)")
+    p.add_argument("--alternate-with", choices=("tf-hcar", "tf-rtod", "xreduce-ops"), default=None,
+                   help="one process only: also fit the same model under this strategy in this process, and time "
+                        "the two in turn (--alternations times) after the first fits: a peer in the same process")
+    p.add_argument("--alternations", type=int, default=3)
     p.add_argument("--mwms-ports", default="", help="comma-separated ports of the MWMS workers")
     p.add_argument("--profile", action="store_true",
                    help="with --timed-epochs: the seconds spent in xreduce's bridge and in its SDK calls")
@@ -146,23 +154,66 @@ def _Training(keras):
     return Training()
 
 
-def strategy_of(args: argparse.Namespace, tf):
+def strategy_of(args: argparse.Namespace, tf, name: str | None = None):
+    """The strategy ``name`` (``--strategy`` by default)."""
+    name = name or args.strategy
     devices = [f"/cpu:{i}" for i in range(args.replicas)]
-    if args.strategy == "tf-hcar":
+    if name == "tf-hcar":
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.HierarchicalCopyAllReduce())
-    if args.strategy == "tf-rtod":
+    if name == "tf-rtod":
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
-    if args.strategy == "mwms":
+    if name == "mwms":
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING)
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     import xreduce.tensorflow
 
-    if args.strategy == "xreduce-ops":
+    if name == "xreduce-ops":
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce())
     if args.processes > 1:
         xreduce.distribution.initialize(num_processes=args.processes, process_id=args.process_id)
     return xreduce.tensorflow.MirroredStrategy()
+
+
+def timed(args: argparse.Namespace, model, profile: Profile, training, x, y) -> tuple[float, float, float, int]:
+    """(seconds per step of ``--timed-epochs`` epochs, the median step's, the steady step's, steps), the steady
+    step being the slope between those epochs and one of a quarter of the steps; ``profile`` keeps the first's."""
+    import numpy as np
+
+    profile.reset()
+    training.ends = []
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=args.batch, epochs=args.timed_epochs, shuffle=False, verbose=0, callbacks=[training])
+    elapsed = time.perf_counter() - start
+    steps = args.timed_epochs * -(-len(x) // args.batch)
+    median = float(np.median(np.diff(training.ends)))
+    bridge, sdk, calls = profile.bridge, profile.sdk, profile.calls
+    few = max(1, args.steps // 4)
+    start = time.perf_counter()
+    model.fit(x[:few * args.batch], y[:few * args.batch], batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
+    short = time.perf_counter() - start
+    slope = (elapsed / args.timed_epochs - short) / (args.steps - few)
+    profile.bridge, profile.sdk, profile.calls = bridge, sdk, calls
+    return elapsed / steps, median, slope, steps
+
+
+def alternate(args: argparse.Namespace, keras, tf, model, profile: Profile, x, y) -> None:
+    """``--alternate-with``: the same model under that strategy too, in this process; then ``--alternations``
+    rounds, each timing both (:func:`timed`, one epoch each) in turn, each printed as ``{"event": "round", ...}``."""
+    strategy = strategy_of(args, tf, args.alternate_with)
+    with strategy.scope():
+        keras.utils.set_random_seed(args.seed)
+        peer = build(keras, args.model)
+        peer.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    peer.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
+    one = argparse.Namespace(**{**vars(args), "timed_epochs": 1})
+    quiet = Profile()
+    for r in range(args.alternations):
+        mine = timed(one, model, profile, _Training(keras), x, y)
+        theirs = timed(one, peer, quiet, _Training(keras), x, y)
+        emit(event="round", round=r, seconds_per_step=mine[0], steady_step_seconds=mine[2],
+             peer_seconds_per_step=theirs[0], peer_steady_step_seconds=theirs[2],
+             bridge_seconds_per_step=profile.bridge / mine[3], sdk_seconds_per_step=profile.sdk / mine[3])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,24 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                             callbacks=[training])
         seconds = median = slope = None
         steps = None
-        if args.timed_epochs:
-            profile.reset()
-            training.ends = []
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=args.batch, epochs=args.timed_epochs, shuffle=False, verbose=0,
-                      callbacks=[training])
-            elapsed = time.perf_counter() - start
-            steps = args.timed_epochs * -(-len(x) // args.batch)
-            seconds = elapsed / steps
-            median = float(np.median(np.diff(training.ends)))
-            bridge, sdk = profile.bridge, profile.sdk
-            few = max(1, args.steps // 4)
-            start = time.perf_counter()
-            model.fit(x[:few * args.batch], y[:few * args.batch], batch_size=args.batch, epochs=1, shuffle=False,
-                      verbose=0)
-            short = time.perf_counter() - start
-            slope = (elapsed / args.timed_epochs - short) / (args.steps - few)
-            profile.bridge, profile.sdk = bridge, sdk
+        if args.alternate_with:
+            alternate(args, keras, tf, model, profile, x, y)
+        elif args.timed_epochs:
+            seconds, median, slope, steps = timed(args, model, profile, training, x, y)
         emit(event="fit", history=history.history, seconds_per_step=seconds, median_step_seconds=median,
              steady_step_seconds=slope,
              replicas=strategy.num_replicas_in_sync, parameters=model.count_params(),

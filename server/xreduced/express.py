@@ -29,6 +29,10 @@ with what is left of its timeout):
 - a participant of the collective that comes by another way (gRPC, or the
   lane's full path): the rendezvous tells the express lane (its
   ``arriving`` hook), which hands the collective over;
+- a group that fails (one of its processes ended, or left while the others
+  use it): the rendezvous tells the express lane (its ``failing`` hook), which
+  hands over every collective of the group it holds, for the full path to
+  answer with the group's error at once;
 - a caller that hangs up while held: the collective is handed over with that
   caller's call, which the full path sees gone, so it fails for everyone as a
   cancelled call does;
@@ -199,6 +203,17 @@ class Express:
             if key not in self._pending:
                 return
             self._handed.extend(self._hand(self._release(key), "a participant came by the full path"))
+        self._wake()
+
+    def claim_group(self, group: str) -> None:
+        """Group ``group`` failed (one of its processes ended: :meth:`~xreduced.rendezvous.Rendezvous.fail_group`,
+        from any thread): every collective of it held here is handed over at once and the lane's thread woken, so
+        that the full path answers the callers with the group's error now, not after the hold."""
+        with self._lock:
+            keys = [key for key in self._pending if key.group == group]
+            if not keys:
+                return
+            self._handed.extend(self._hand([a for key in keys for a in self._release(key)], "the group failed"))
         self._wake()
 
     def handed_over(self) -> list[Arrival]:

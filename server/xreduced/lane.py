@@ -25,9 +25,10 @@ Now a call that joins a collective before the others arrive leaves a
 :class:`~xreduced.deferred.Deferred` with the rendezvous and the thread serves
 the next connection; the arrival that completes the collective reduces and
 sends every waiting caller its reply. Calls that may block long (naming
-shared-memory regions, across nodes, broadcasts) run on worker threads
-(:meth:`LocalLane._serve`). A caller whose connection ends while its call
-waits leaves the collective at once, as a cancelled gRPC call does.
+GPU regions or more than :data:`INLINE_REGION_BYTES` of shared memory, across
+nodes, broadcasts) run on worker threads (:meth:`LocalLane._serve`). A caller
+whose connection ends while its call waits leaves the collective at once, as a
+cancelled gRPC call does.
 
 A small call of a request shape the daemon has validated before goes to the
 express lane first (:mod:`xreduced.express`): the lane's thread holds it there
@@ -74,6 +75,10 @@ RECV_BYTES = 1 << 16
 """Bytes asked of one ``recv`` by the lane's thread."""
 INLINE_MAX_BYTES = 1 << 20
 """The largest request the lane's thread serves itself; larger ones go to a worker."""
+INLINE_REGION_BYTES = 4 << 20
+"""The most bytes of host shared-memory regions (inputs and output) a call the lane's thread serves itself may
+name: reducing them takes about a millisecond, a wait the lane's other callers barely see; larger ones go to a
+worker."""
 
 
 def lane_address(listen: str) -> str:
@@ -257,12 +262,13 @@ class LocalLane:
     """The lane's socket and its connections, served through ``pipeline`` by one thread.
 
     One thread (``xreduced-lane``) waits in ``epoll`` on every connection and
-    serves what arrives: a small call with its tensors in the message, in a
-    group on this node, runs right there (:meth:`_inline`); a call that waits
-    in a collective leaves a :class:`~xreduced.deferred.Deferred` and the thread
-    goes on; the arrival that completes the collective answers every waiting
-    caller. Any other call (one naming shared-memory regions, whose reduction
-    may be long; a group across nodes; a broadcast) runs on a worker thread,
+    serves what arrives: a small call with its tensors in the message or in
+    host shared-memory regions, in a group on this node, runs right there
+    (:func:`_inline`); a call that waits in a collective leaves a
+    :class:`~xreduced.deferred.Deferred` and the thread goes on; the arrival
+    that completes the collective answers every waiting caller. Any other call
+    (one naming GPU regions or large ones, whose reduction may be long; a group
+    across nodes; a broadcast) runs on a worker thread,
     blocking there as a gRPC call would. A connection that ends is seen by the
     same thread: its call, if one waits, leaves its collective at once.
 
@@ -582,11 +588,29 @@ class LocalLane:
                 continue
             incoming = handler.request_deserializer(request)
             connection.busy = True
-            if _inline(method, incoming):
+            if _inline(method, incoming, self._host_region_bytes(connection)):
                 if self.express is None or not self._express(connection, method, incoming, timeout):
                     self._call(connection, method, handler, incoming, timeout, defers=True)
             elif not self._closed:
                 self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False)
+
+    def _host_region_bytes(self, connection: _Connection) -> Callable[[list], int | None]:
+        """What :func:`_inline` asks of a call's region slices: their bytes when every one names a host
+        (``shm``) region of the connection's session, else None."""
+
+        def host_bytes(slices: list) -> int | None:
+            session = self._regions.session(connection.session_id)
+            if session is None:
+                return None
+            total = 0
+            for s in slices:
+                region = session.regions.get(s.name)
+                if region is None or region.kind != "shm":
+                    return None
+                total += s.byte_size
+            return total
+
+        return host_bytes
 
     def _express(self, connection: _Connection, method: str, incoming, timeout: float | None) -> bool:
         """Offers the call to the express lane: False when the full path is to serve it; else the replies it
@@ -653,6 +677,8 @@ class _Connection(LaneConnection):
         self.sock = sock
         self.peer = peer
         self.metadata = metadata
+        self.session_id = dict(metadata).get(SESSION_METADATA)
+        """The session the hello proved."""
         self.handlers = handlers
         self.buffer = frames.FrameBuffer(leftover)
         self.busy = False
@@ -661,17 +687,24 @@ class _Connection(LaneConnection):
         """The call that waits in a collective, deferred."""
 
 
-def _inline(method: str, incoming) -> bool:
-    """Whether the lane's thread serves this call itself: a reduction whose tensors are in the message, with
-    no output region, in a group on this node (epoch 0). Others may block long: a worker serves them."""
+def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> bool:
+    """Whether the lane's thread serves this call itself: a reduction in a group on this node (epoch 0), its
+    message at most :data:`INLINE_MAX_BYTES`, the regions it names (inputs and output) host shared memory of
+    at most :data:`INLINE_REGION_BYTES` in all (``host_bytes`` of the slices: their bytes, None when one is not
+    such a region of the caller's session). Others may block long: a worker serves them."""
     message = getattr(incoming, "message", None)
-    if (method not in ("Reduce", "BatchReduce") or message is None or incoming.size > INLINE_MAX_BYTES
-            or message.HasField("output")):
+    if method not in ("Reduce", "BatchReduce") or message is None or incoming.size > INLINE_MAX_BYTES:
         return False
     if message.HasField("collective") and message.collective.epoch:
         return False
     values = [message.value] if method == "Reduce" else [p.value for p in message.pairs]
-    return not any(c.tensor.HasField("region") for v in values for c in v.components)
+    slices = [c.tensor.region for v in values for c in v.components if c.tensor.HasField("region")]
+    if message.HasField("output"):
+        slices.append(message.output)
+    if not slices:
+        return True
+    nbytes = host_bytes(slices)
+    return nbytes is not None and nbytes <= INLINE_REGION_BYTES
 
 
 def _reply_frame(error: BaseException, context: LaneContext, peer: str, method: str) -> bytes:

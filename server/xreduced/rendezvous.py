@@ -250,6 +250,9 @@ class Rendezvous:
         arriving: told the key of a collective a participant has just joined here without completing it:
             the express lane (:meth:`xreduced.express.Express.claim`) hands over what it holds of that
             collective; None: nobody is told.
+        failing: told the name of a group :meth:`fail_group` failed: the express lane
+            (:meth:`xreduced.express.Express.claim_group`) hands over what it holds of that group at once, for the
+            full path to answer with the group's error; None: nobody is told.
 
     Example:
         >>> import threading
@@ -268,7 +271,8 @@ class Rendezvous:
     """
 
     def __init__(self, failed_ttl: float = 60.0, max_failed: int = 4096, report_after: float = 10.0,
-                 arriving: Callable[[CollectiveKey], None] | None = None):
+                 arriving: Callable[[CollectiveKey], None] | None = None,
+                 failing: Callable[[str], None] | None = None):
         self._lock = threading.Lock()
         self._report_after = report_after
         self._open: dict[CollectiveKey, _Collective] = {}
@@ -279,6 +283,7 @@ class Rendezvous:
         self._failed_ttl = failed_ttl
         self._max_failed = max_failed
         self._arriving = arriving
+        self._failing = failing
 
     def knows(self, key: CollectiveKey) -> bool:
         """Whether collective ``key`` is waiting here, or failed here recently (its error kept for late arrivals).
@@ -533,6 +538,8 @@ class Rendezvous:
                      for key, c in list(self._open.items()) if key.group == group and not key.is_join]
         for c, waiting in ended:
             self._answer(c, waiting)
+        if self._failing is not None:
+            self._failing(group)
 
     def _end(self, c: _Collective, before: _State, after: _State, *, results: Mapping[int, Any] | None = None,
              error: ServiceError | Callable[[_Collective], ServiceError] | None = None, remember: bool = True) -> None:

@@ -143,7 +143,8 @@ class Daemon:
         """The express lane (:mod:`xreduced.express`), with a local lane and a ``--lane-express-hold``."""
         expressing = config.local_lane and config.lane_express_hold > 0
         self.rendezvous = Rendezvous(report_after=config.stall_warning_seconds,
-                                     arriving=(lambda key: self.express.claim(key)) if expressing else None)
+                                     arriving=(lambda key: self.express.claim(key)) if expressing else None,
+                                     failing=(lambda group: self.express.claim_group(group)) if expressing else None)
         self.service = CrossDeviceOpsService(
             engine, self.backend.name, config.collective_timeout, self.rendezvous, config, self.regions,
             devices=devices, prepared=self.prepared, admission=self.admission, stats=self.stats, peers=self.peers,

@@ -79,6 +79,27 @@ def test_a_process_killed_while_the_other_waits_fails_that_collective(daemon):
                                         '"kill-waiting" ended without leaving the group')
 
 
+@pytest.mark.parametrize("end", ["die", "shutdown"])
+def test_a_call_held_in_the_express_lane_fails_when_the_group_does_not_after_the_hold(start_daemon, end):
+    """The survivor's second reduce has a shape the daemon validated in the first: the express lane holds it
+    (here for up to 50 s, ``--lane-express-hold``). The other process then ends (killed, or shutdown()): the group
+    fails, and the express lane hands the held call over at once (logged with the reason), for the full path to
+    answer with the group's error; without that hand-over the call would wait out the hold, past ``TIMEOUT``."""
+    held = start_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "4",
+                        "--collective-timeout", "120", "--lane-express-hold", "50", "--log-level", "DEBUG")
+    group = f"express-{end}"
+    survivor = child(held, group, 0, ["init", "reduce", "reduce"])
+    other = child(held, group, 1, ["init", "reduce", "sleep", end])
+    got = events(survivor)
+    other.wait(TIMEOUT)
+    assert got[1] == {"step": "reduce", "ok": [2.0, 2.0]}, got
+    assert got[2]["error"] == "AbortedError", got
+    why = "ended without leaving the group" if end == "die" else "left the group (shutdown()) while the others"
+    assert f'process 1 of group "{group}" {why}' in got[2]["message"], got
+    wait_log(held, rf"event=express_handed_over group=\"{group}\" collective=seq:1 processes=0 "
+                   r"reason='the group failed'")
+
+
 def test_a_process_that_leaves_while_the_other_waits_fails_it(daemon):
     waiter = child(daemon, "leave-waiting", 0, ["init", "reduce", "reduce"])
     leaver = child(daemon, "leave-waiting", 1, ["init", "reduce", "sleep", "shutdown"])

@@ -141,6 +141,20 @@ def test_a_participant_by_the_full_path_claims_the_held_calls_and_wakes_the_lane
     assert pids(h.express.handed_over()) == [0] and h.express.handed_over() == []
 
 
+def test_a_failed_group_hands_over_every_collective_held_of_it_and_wakes_the_lane():
+    h = Harness()
+    h.offer("c0", 0, sequence=1)
+    h.offer("c2", 0, sequence=2, n=3)
+    h.offer("h0", 0, group="other")
+    h.express.claim_group("nobody")  # a group with nothing held: nothing happens
+    assert h.woken == 0 and h.express.held() == 3
+    h.express.claim_group("g")
+    assert h.woken == 1 and (h.express.held(), h.express.collectives()) == (1, 1)
+    assert sorted(a.key.sequence for a in h.express.handed_over()) == [1, 2]
+    assert h.ended == [(0, None), (0, None)]  # their calls are the full path's now
+    assert h.reduced == []
+
+
 def test_a_caller_hanging_up_hands_its_collective_over_with_its_own_call():
     h = Harness()
     h.offer("c0", 0, n=3)

@@ -1,0 +1,35 @@
+"""``bench/keras_step.py`` in a tiny run (8 steps a job): TF's own strategy timed in turn in xreduce's process
+(``--alternate-with``), MWMS in processes of its own, each round's line and the table. Never how fast anything is."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NUMBER = r"-?[0-9.]+"
+
+
+def test_the_bench_times_both_comparisons_and_prints_the_ratios():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "keras_step.py"), "--rounds", "1", "--steps", "8",
+                           "--models", "mlp", "--alternations", "2"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rounds = [line for line in lines if " round " in line]
+    labels = [re.match(r"mlp +(one process, 2 replicas|two processes x 1 replica) +round ([0-9.]+):", line).groups()
+              for line in rounds]
+    # Two turns in the one-process job (the peer in the same process), one round of the two-process jobs.
+    assert labels == [("one process, 2 replicas", "0.0"), ("one process, 2 replicas", "0.1"),
+                      ("two processes x 1 replica", "0")], rounds
+    for line in rounds:
+        assert re.search(rf"xreduce +{NUMBER} / +{NUMBER} ms, peer +{NUMBER} / +{NUMBER} ms, ratio {NUMBER} / "
+                         rf"{NUMBER} \(bridge [0-9.]+ ms, SDK call [0-9.]+ ms, daemon's reduction [0-9.]+ ms\)",
+                         line), line
+    table = [line for line in lines if line.startswith("| mlp |")]
+    assert [row.split(" | ")[1] for row in table] == [
+        "one process, 2 replicas vs TF's HierarchicalCopyAllReduce",
+        "two processes x 1 replica vs MultiWorkerMirroredStrategy"], table
