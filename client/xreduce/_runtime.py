@@ -161,7 +161,9 @@ class Runtime:
 
     @contextlib.contextmanager
     def embedding(self, address: str) -> Iterator[str]:
-        """Inside the block, ``address`` is a daemon embedded in this process (innermost wins)."""
+        """Inside the block, ``address`` is a daemon embedded in this process (innermost wins). On leaving it,
+        this process's sessions with that daemon end, before the daemon stops: a session stream still open when
+        a server shuts down is cancelled with a GOAWAY that gRPC logs on stderr."""
         with self._lock:
             self._embedded.append(address)
         try:
@@ -169,6 +171,10 @@ class Runtime:
         finally:
             with self._lock:
                 self._embedded.remove(address)
+                ending = [self._sessions.pop(key) for key in [k for k in self._sessions if k[0] == address]]
+            for session in ending:
+                with contextlib.suppress(Exception):
+                    session.close()
 
     def is_embedded(self, address: str) -> bool:
         """Whether the daemon at ``address`` runs in this process (:func:`xreduce.serve_embedded`)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import xreduce
+from children import child_env
 from xreduce import distribute
 from xreduce.distribute import (
     HierarchicalCopyAllReduce,
@@ -129,6 +132,26 @@ def test_serve_embedded_serves_and_stops():
         assert HierarchicalCopyAllReduce().reduce("sum", v, "CPU:2") == 6
     with pytest.raises(xreduce.UnavailableError):
         HierarchicalCopyAllReduce(address=address).reduce("sum", v, "CPU:2")
+
+
+def test_leaving_serve_embedded_ends_the_sessions_before_the_daemon_stops():
+    """A call through shared memory opens a session (a stream the daemon holds open). Leaving the block ends it
+    first: the daemon then stops with no call to cancel, and gRPC has nothing to log on stderr (it logged ``Got
+    goaway ... Cancelling all calls`` when the daemon cut the stream)."""
+    script = (
+        "import numpy as np, xreduce\n"
+        "from xreduce import _runtime\n"
+        "from xreduce.distribute import HierarchicalCopyAllReduce, PerReplica\n"
+        "with xreduce.serve_embedded(virtual_devices=2) as address:\n"
+        "    v = PerReplica([np.ones(1 << 16, np.float32)] * 2, devices=['CPU:0', 'CPU:1'])\n"
+        "    assert float(HierarchicalCopyAllReduce().reduce('sum', v, 'CPU:0')[0]) == 2.0\n"
+        "    assert any(key[0] == address for key in _runtime.default()._sessions)\n"
+        "assert not any(key[0] == address for key in _runtime.default()._sessions)\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
+    assert "goaway" not in done.stderr.lower(), done.stderr
 
 
 def test_python_scalars_follow_tf_conversion(daemon):

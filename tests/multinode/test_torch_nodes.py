@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from children import child_env
 from netns import INTERFACE, Nodes, needs_namespaces, start_node_daemons
+from torch_ranks import WORKER
 
 pytestmark = [needs_namespaces, pytest.mark.slow]
 torch = pytest.importorskip("torch")
@@ -111,7 +112,7 @@ def _pump(proc: subprocess.Popen, lines: queue.SimpleQueue) -> None:
 
 def clean_env() -> dict[str, str]:
     """A child's environment with none of this process's settings (no ``MASTER_*``, no ``XREDUCE_*``), but its
-    ``PYTHONPATH``: this checkout's packages and the tests' helpers (``torch_job``), as :func:`child_env` gives."""
+    ``PYTHONPATH``: this checkout's packages and the tests' helpers, as :func:`child_env` gives."""
     return {"PATH": "/usr/bin:/bin", "PYTHONPATH": child_env()["PYTHONPATH"]}
 
 
@@ -173,9 +174,9 @@ def test_the_coordinator_serves_where_xreduce_coordinator_says(nodes):
     """``XREDUCE_COORDINATOR`` wins over ``MASTER_ADDR:MASTER_PORT+1``: node 1's daemon serves the coordinator
     there, and the group is known by that address on both nodes."""
     coordinator = f"{nodes[1].address}:{next(PORTS)}"
-    job = Job(nodes, ["-m", "torch_job", "--steps", "2"], 1, XREDUCE_COORDINATOR=coordinator)
+    job = Job(nodes, [str(WORKER), "train", "--steps", "2"], 1, XREDUCE_COORDINATOR=coordinator)
     outputs = job.finish()
-    assert all('{"event": "done"}' in text for text in outputs), outputs
+    assert all('{"event": "done", "step": 2}' in text for text in outputs), outputs
     for index, node in enumerate(nodes):
         (group,) = coordinated_at(node, coordinator)
         assert (group["coordinator"], len(group["nodes"])) == (index == 0, 2), group
@@ -188,19 +189,19 @@ def test_a_rank_killed_during_training_fails_the_other_nodes_next_step_naming_it
     ``DistBackendError``'s, naming the process and its node (a future failed by ``set_exception`` crashed DDP's
     reducer here once: SIGSEGV); rank 0 then exits, and its daemon shows the group's lost process. Every wait is
     bounded; the time from the kill to the error is printed, not asserted."""
-    job = Job(nodes, ["-m", "torch_job", "--steps", "1000000"], 1)
+    job = Job(nodes, [str(WORKER), "train"], 1)
     deadline = time.monotonic() + JOB_TIMEOUT
     for rank in range(2):
         assert job.event(rank, ("training",), deadline)["event"] == "training", job.output[rank]
     job.procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at = time.time()
     error = job.event(0, ("error", "done"), deadline)
     assert error["event"] == "error", error
     print(f"\nrank 0's step failed {error['at'] - killed_at:.3f} s after rank 1 was killed")
-    assert error["type"] == "builtins.RuntimeError", error
+    assert error["type"] == "RuntimeError", error
     assert "DistBackendError: group" in error["message"], error
     assert "process 1 on node 1 (10.0.0.2" in error["message"], error
     assert "ended without leaving the group" in error["message"], error
-    assert job.procs[0].wait(JOB_TIMEOUT) == 0, job.output[0]  # its exit, leaving the failed group, is bounded too
+    assert job.procs[0].wait(JOB_TIMEOUT) == 1, job.output[0]  # its exit, after the failed step, is bounded too
     (group,) = coordinated_at(nodes[1], f"{nodes[1].address}:{job.port + 1}")
     assert [(lost["node_index"], lost["process_ids"]) for lost in group["lost"]] == [(1, [1])], group

@@ -1,7 +1,9 @@
 """One rank of the torch tests: ``python torch_worker.py --rank R --world-size N --store-port P MODE ...``.
 
 It meets the other ranks at the test's ``TCPStore`` (``torch_ranks.Ranks`` serves it), forms its groups with
-``init_process_group(store=...)`` and prints what it saw as JSON lines on stdout. Modes:
+``init_process_group(store=...)`` and prints what it saw as JSON lines on stdout. Without ``--store-port`` (mode
+``train`` only) it forms the group as torchrun's ranks do, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (``env://``): the multi-node tests start it so in each node. Modes:
 
 * ``ddp``: the same small MLP, data and seeds trained with DDP over xreduce, over Gloo, and over Gloo with
   ``xreduce.torch.allreduce_hook`` on an xreduce group (``--variants``); rank 0 saves each's weights (``--out``).
@@ -113,12 +115,15 @@ def ddp(args: argparse.Namespace, store: dist.Store) -> None:
     emit(event="done")
 
 
-def train(args: argparse.Namespace, store: dist.Store) -> None:
-    dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size)
+def train(args: argparse.Namespace, store: dist.Store | None) -> None:
+    if store is None:  # env://, as torchrun's ranks
+        dist.init_process_group("xreduce")
+    else:
+        dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size)
     model = mlp()
     net = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-    batches = Batches(args.rank)
+    batches = Batches(dist.get_rank())
     step = 0
     try:
         while step < args.steps:
@@ -418,9 +423,9 @@ def timeout(args: argparse.Namespace, store: dist.Store) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--store-port", type=int, help="the test's store; without it, env:// (mode train only)")
     modes = parser.add_subparsers(dest="mode", required=True)
     p = modes.add_parser("ddp")
     p.add_argument("--default", choices=["xreduce", "gloo"], default="xreduce")
@@ -431,6 +436,11 @@ def main() -> None:
     modes.add_parser("collectives").add_argument("--suite", choices=["all", "four"], default="all")
     modes.add_parser("timeout").add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args()
+    if args.store_port is None:
+        if args.mode != "train":
+            parser.error(f"mode {args.mode} meets the other ranks at the test's store: give --store-port")
+        train(args, None)
+        return
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=STORE_WAIT)
     # Every rank has started (imported torch) before any forms a group: the groups' timeouts count from here.
     store.set(f"started/{args.rank}", "1")
