@@ -199,21 +199,21 @@ class Express:
     def claim(self, key: CollectiveKey) -> None:
         """A participant of collective ``key`` has joined it in the rendezvous (from any thread): the calls held
         for it are handed over, and the lane's thread woken to serve them (:meth:`handed_over`)."""
-        with self._lock:
-            if key not in self._pending:
-                return
-            self._handed.extend(self._hand(self._release(key), "a participant came by the full path"))
-        self._wake()
+        self._claim(lambda k: k == key, "a participant came by the full path")
 
     def claim_group(self, group: str) -> None:
         """Group ``group`` failed (one of its processes ended: :meth:`~xreduced.rendezvous.Rendezvous.fail_group`,
         from any thread): every collective of it held here is handed over at once and the lane's thread woken, so
         that the full path answers the callers with the group's error now, not after the hold."""
+        self._claim(lambda k: k.group == group, "the group failed")
+
+    def _claim(self, which: Callable[[CollectiveKey], bool], reason: str) -> None:
+        """Hands over the held collectives whose keys ``which`` picks, for the lane's thread (woken if any)."""
         with self._lock:
-            keys = [key for key in self._pending if key.group == group]
+            keys = [key for key in self._pending if which(key)]
             if not keys:
                 return
-            self._handed.extend(self._hand([a for key in keys for a in self._release(key)], "the group failed"))
+            self._handed.extend(self._hand([a for key in keys for a in self._release(key)], reason))
         self._wake()
 
     def handed_over(self) -> list[Arrival]:
