@@ -11,9 +11,12 @@ Two comparisons, each on an MLP of 82,689 parameters and one of about 1.07 M, gl
 * ``two processes``: 2 processes x 1 replica: ``xreduce.tensorflow.MirroredStrategy`` on one daemon against TF's
   ``MultiWorkerMirroredStrategy`` (RING) between the same two (target <= 0.5x), xreduce's job then the peer's.
 
-A step's time is the steady one: the slope of an epoch's wall time between an epoch of ``--steps`` steps and one of
-a quarter of them, after a first (tracing) epoch, so that an epoch's own start and end (the iterator, the metrics'
-reductions) are left out; the mean over the long epoch, which includes them, is reported beside it. For xreduce,
+A step's time three ways: the median step (of the long epoch's steps, each from one step's end to the next's as
+Keras' callbacks see them: what this machine's noise moves least, and what the table's ratio is of); the steady
+one, the slope of an epoch's wall time between an epoch of ``--steps`` steps and one of a quarter of them, after a
+first (tracing) epoch, so that an epoch's own start and end (the iterator, the metrics' reductions) are left out
+(a difference of two noisy times: it can even come out negative); and the mean over the long epoch, which includes
+them. For xreduce,
 where a step's time goes: in the bridge
 (the Python function the traced step calls: numpy in, the SDK call, results out), in the SDK's call (transport and
 daemon), and in the daemon's reduction (its ``xreduce_reduction_seconds`` of BatchReduce).
@@ -35,6 +38,13 @@ import urllib.request
 
 from xreduce_bench.daemon import DaemonProcess
 
+TIMES = ("steady_step_seconds", "seconds_per_step", "median_step_seconds")
+"""A job's times of a step, as printed: steady, epoch mean, median."""
+
+
+def _ms(times: tuple[float, ...]) -> str:
+    return " / ".join(f"{t * 1e3:6.2f}" for t in times)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -53,8 +63,8 @@ def job(argvs: list[list[str]], env: dict[str, str], timeout: float, rounds: lis
         if rounds is not None:
             rounds += [e for e in events if e["event"] == "round"]
         last = events[-1] if events else {"event": "none"}
-        if last["event"] != "fit":
-            last = dict(last, status=procs[k].returncode, stderr=stderr[-3000:])
+        if last["event"] != "fit":  # a crash's own stack is at the start (PYTHONFAULTHANDLER), others' at the end
+            last = dict(last, status=procs[k].returncode, stderr=stderr[:4000] + "\n...\n" + stderr[-2000:])
         out.append(last)
     if any(e["event"] != "fit" for e in out):
         raise RuntimeError(f"a job failed: {out}")
@@ -113,8 +123,9 @@ def main() -> int:
         env["XREDUCE_ADDRESS"] = daemon.address
         try:
             print(f"# bench/keras_step.py: {args.rounds} rounds, {args.steps} timed steps a job, global batch 64; "
-                  "milliseconds per step (steady / epoch mean)")
+                  "milliseconds per step (steady / epoch mean / median step)")
             rows = []
+            failures = 0
             for model in args.models.split(","):
                 common = ["--model", model, "--steps", str(args.steps), "--timed-epochs", "1"]
                 for name in [COMPARISONS[int(c) - 1] for c in args.comparisons.split(",")]:
@@ -122,49 +133,55 @@ def main() -> int:
                     for r in range(args.rounds):
                         env["XREDUCE_GROUP"] = f"bench-{model}-{r}-{len(name)}"
                         before = reduction_seconds(metrics)
-                        if name == COMPARISONS[0]:  # the peer in the same process, timed in turn
-                            rounds: list[dict] = []
-                            job(ours(name, common, args.alternations), env, args.timeout, rounds)
-                            fits = rounds
-                        else:
-                            fits = job(ours(name, common), env, args.timeout)
-                        after = reduction_seconds(metrics)
+                        try:
+                            if name == COMPARISONS[0]:  # the peer in the same process, timed in turn
+                                rounds: list[dict] = []
+                                job(ours(name, common, args.alternations), env, args.timeout, rounds)
+                                fits = rounds
+                            else:
+                                fits = job(ours(name, common), env, args.timeout)
+                            after = reduction_seconds(metrics)
+                            if name == COMPARISONS[0]:
+                                pairs = [(tuple(f[k] for k in TIMES), tuple(f["peer_" + k] for k in TIMES))
+                                         for f in fits]
+                            else:
+                                peers = job(peer(name, common, f"{free_port()},{free_port()}"), env, args.timeout)
+                                pairs = [(tuple(max(f[k] for f in fits) for k in TIMES),
+                                          tuple(max(f[k] for f in peers) for k in TIMES))]
+                        except RuntimeError as e:  # a job that crashed: said, and the run goes on
+                            print(f"{model:6s} {name:26s} round {r}: {e}", flush=True)
+                            failures += 1
+                            continue
                         daemon_s = (after[0] - before[0]) / max(after[1] - before[1], 1)
-                        if name == COMPARISONS[0]:
-                            pairs = [((f["steady_step_seconds"], f["seconds_per_step"]),
-                                      (f["peer_steady_step_seconds"], f["peer_seconds_per_step"])) for f in fits]
-                        else:
-                            peers = job(peer(name, common, f"{free_port()},{free_port()}"), env, args.timeout)
-                            pairs = [((max(f["steady_step_seconds"] for f in fits),
-                                       max(f["seconds_per_step"] for f in fits)),
-                                      (max(f["steady_step_seconds"] for f in peers),
-                                       max(f["seconds_per_step"] for f in peers)))]
                         for k, (m, t) in enumerate(pairs):
                             mine.append(m)
                             theirs.append(t)
                             profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
                                             statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
                             label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
-                            print(f"{model:6s} {name:26s} {label}: xreduce {mine[-1][0] * 1e3:6.2f} / "
-                                  f"{mine[-1][1] * 1e3:6.2f} ms, peer {theirs[-1][0] * 1e3:6.2f} / "
-                                  f"{theirs[-1][1] * 1e3:6.2f} ms, ratio {mine[-1][0] / theirs[-1][0]:.2f} / "
-                                  f"{mine[-1][1] / theirs[-1][1]:.2f} (bridge {profile[-1][0] * 1e3:.2f} ms, SDK "
+                            print(f"{model:6s} {name:26s} {label}: xreduce {_ms(mine[-1])} ms, peer "
+                                  f"{_ms(theirs[-1])} ms, ratio "
+                                  f"{' / '.join(f'{a / b:.2f}' for a, b in zip(mine[-1], theirs[-1]))} "
+                                  f"(bridge {profile[-1][0] * 1e3:.2f} ms, SDK "
                                   f"call {profile[-1][1] * 1e3:.2f} ms, daemon's reduction "
                                   f"{profile[-1][2] * 1e3:.2f} ms)", flush=True)
-                    ratios = [m[0] / t[0] for m, t in zip(mine, theirs)]
-                    means = [m[1] / t[1] for m, t in zip(mine, theirs)]
-                    rows.append((model, name, statistics.median(m[0] for m in mine),
-                                 statistics.median(t[0] for t in theirs), statistics.median(ratios),
-                                 statistics.median(means)))
-            print("\n| model | comparison | xreduce (steady step) | peer | ratio | ratio of epoch means |")
-            print("|---|---|---|---|---|---|")
-            for model, name, mine_s, theirs_s, ratio, mean_ratio in rows:
+                    if not mine:
+                        continue
+                    ratios = [statistics.median(m[i] / t[i] for m, t in zip(mine, theirs)) for i in range(3)]
+                    rows.append((model, name, statistics.median(m[2] for m in mine),
+                                 statistics.median(t[2] for t in theirs), *ratios))
+            print("\n| model | comparison | xreduce (median step) | peer | ratio of median steps | of steady steps | "
+                  "of epoch means |")
+            print("|---|---|---|---|---|---|---|")
+            for model, name, mine_s, theirs_s, steady, mean, median in rows:
                 other = "TF's HierarchicalCopyAllReduce" if name == COMPARISONS[0] else "MultiWorkerMirroredStrategy"
                 print(f"| {model} | {name} vs {other} | {mine_s * 1e3:.2f} ms | {theirs_s * 1e3:.2f} ms | "
-                      f"{ratio:.2f} | {mean_ratio:.2f} |")
+                      f"{median:.2f} | {steady:.2f} | {mean:.2f} |")
+            if failures:
+                print(f"\n{failures} round(s) failed (above); the table leaves them out")
         finally:
             daemon.terminate()
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

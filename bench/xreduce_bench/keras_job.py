@@ -26,7 +26,8 @@ only a broadcast of the initial values makes them equal) and fits the same globa
 It prints one JSON line per event on stdout (``{"event": "ready"}``, ``{"event": "fit", ...}``
 with the history, the seconds per step of the timed epochs (all in, and the median step's),
 ``{"event": "training"}`` once the first step has run,
-``{"event": "error", ...}``) and writes the
+``{"event": "error", ...}``; with xreduce, ``prepared_calls``: the calls its bridge made as prepared batches)
+and writes the
 weights to ``--out``.
 """
 
@@ -108,10 +109,11 @@ class Profile:
         self.calls = 0
 
     def install(self) -> None:
-        from xreduce import _ops
+        from xreduce import _ops, _prepared
         from xreduce.tensorflow import _bridge
 
         numpy_call, batch_reduce = _bridge.numpy_call, _ops.CrossDeviceOps.batch_reduce
+        prepared_call = _prepared.PreparedBatch.__call__
 
         def timed_numpy_call(fn, *args, **kwargs):
             def timed(arrays):
@@ -130,12 +132,40 @@ class Profile:
             finally:
                 self.sdk += time.perf_counter() - start
 
+        def timed_prepared_call(prepared, *args, **kwargs):
+            start, fast = time.perf_counter(), prepared.fast_calls
+            try:
+                return prepared_call(prepared, *args, **kwargs)
+            finally:
+                if prepared.fast_calls > fast:  # else the batch_reduce it made was timed
+                    self.sdk += time.perf_counter() - start
+
         _bridge.numpy_call = timed_numpy_call
         _ops.CrossDeviceOps.batch_reduce = timed_batch_reduce
+        _prepared.PreparedBatch.__call__ = timed_prepared_call
 
     def reset(self) -> None:
         self.bridge = self.sdk = 0.0
         self.calls = 0
+
+
+def count_prepared_calls() -> list[int]:
+    """Counts the calls that take a prepared batch's path (``xreduce._prepared``): the one-item list it returns
+    holds the count."""
+    from xreduce import _prepared
+
+    count = [0]
+    call = _prepared.PreparedBatch.__call__
+
+    def counted(prepared, *args, **kwargs):
+        fast = prepared.fast_calls
+        try:
+            return call(prepared, *args, **kwargs)
+        finally:
+            count[0] += prepared.fast_calls - fast
+
+    _prepared.PreparedBatch.__call__ = counted
+    return count
 
 
 def _Training(keras):
@@ -212,7 +242,8 @@ def alternate(args: argparse.Namespace, keras, tf, model, profile: Profile, x, y
         mine = timed(one, model, profile, _Training(keras), x, y)
         theirs = timed(one, peer, quiet, _Training(keras), x, y)
         emit(event="round", round=r, seconds_per_step=mine[0], steady_step_seconds=mine[2],
-             peer_seconds_per_step=theirs[0], peer_steady_step_seconds=theirs[2],
+             median_step_seconds=mine[1], peer_seconds_per_step=theirs[0], peer_steady_step_seconds=theirs[2],
+             peer_median_step_seconds=theirs[1],
              bridge_seconds_per_step=profile.bridge / mine[3], sdk_seconds_per_step=profile.sdk / mine[3])
 
 
@@ -234,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     import keras
 
     emit(event="ready", pid=os.getpid())
+    prepared = count_prepared_calls() if args.strategy.startswith("xreduce") else [0]
     profile = Profile()
     if args.profile and args.strategy.startswith("xreduce"):
         profile.install()
@@ -269,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
              replicas=strategy.num_replicas_in_sync, parameters=model.count_params(),
              bridge_seconds_per_step=profile.bridge / steps if steps else None,
              sdk_seconds_per_step=profile.sdk / steps if steps else None,
-             bridge_calls_per_step=profile.calls / steps if steps else None)
+             bridge_calls_per_step=profile.calls / steps if steps else None, prepared_calls=prepared[0])
         if args.out:
             np.savez(args.out, *[np.asarray(w) for w in model.get_weights()])
     except Exception as e:  # the launcher reads it

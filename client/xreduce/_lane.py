@@ -155,14 +155,20 @@ class Lane:
                 :class:`xreduce.UnavailableError` / :class:`xreduce.DeadlineExceededError`
                 (``answered`` False).
         """
+        return _RESPONSES[method].FromString(self.exchange(method, request.SerializeToString(), timeout))
+
+    def exchange(self, method: str, body: bytes, timeout: float) -> bytes:
+        """Sends a serialized request (``body``) as ``method`` and returns the daemon's serialized response:
+        :meth:`call` without the messages, for a caller that sends the same bytes again
+        (:mod:`xreduce._prepared`). Raises as :meth:`call` does."""
         connection = self._take()
         sock, reader = connection
-        data = frames.request(method, timeout, request.SerializeToString())
+        data = frames.request(method, timeout, body)
         try:
             sock.settimeout(timeout)
             sock.sendall(data)
-            body = reader.read()
-            if body is None:
+            reply = reader.read()
+            if reply is None:
                 raise ConnectionError("the daemon closed the connection")
         except TimeoutError:
             sock.close()  # the daemon sees the hang-up: a collective this call waits in is abandoned
@@ -174,9 +180,9 @@ class Lane:
                                    f"{self.address} broke during {method} ({e})",
                                    grpc.StatusCode.UNAVAILABLE) from None
         self._give(connection)
-        code, _, payload = frames.read_reply(body)
+        code, _, payload = frames.read_reply(reply)
         if code == 0:
-            return _RESPONSES[method].FromString(payload)
+            return payload
         # The daemon answered: it failed the collective for the others where it must.
         raise answered(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
 

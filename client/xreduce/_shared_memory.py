@@ -342,6 +342,28 @@ class SharedMemory:
         return pb.RegionSlice(name=seg.name, offset=0, byte_size=seg.size), Output(seg, hold, answered, finalizer,
                                                                                     self._discard)
 
+    def segment(self, nbytes: int, output: bool) -> Segment:
+        """A staging (or, with ``output``, an output) segment of at least ``nbytes``, registered in the session,
+        for a caller that keeps it from call to call (:mod:`xreduce._prepared`); :meth:`give_back` returns it.
+
+        Raises:
+            OSError: no room in ``/dev/shm``.
+        """
+        self._releases.drain()
+        return self._acquire(self._outputs if output else self._staging, nbytes)
+
+    def later(self, fn: Callable, *args) -> None:
+        """Runs ``fn(*args)`` at the next call, not now: what a finalizer hands over."""
+        self._releases.later(fn, *args)
+
+    def give_back(self, seg: Segment, output: bool, failed: bool) -> None:
+        """Returns a segment of :meth:`segment` for reuse; ``failed`` (a call that got no answer, the daemon may
+        still use it): unlinked instead."""
+        if failed:
+            self._discard(seg)
+        else:
+            (self._outputs if output else self._staging).release(seg)
+
     def _give_back_output(self, seg: Segment, answered: list[bool]) -> None:
         if answered[0]:
             self._outputs.release(seg)

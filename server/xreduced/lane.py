@@ -61,6 +61,7 @@ from xreduced.errors import PermissionDenied
 from xreduced.express import Express
 from xreduced.pipeline import CallPipeline
 from xreduced.regions import RegionTable
+from xreduced.repeated import Repeat, Repeats
 
 log = logging.getLogger("xreduced.lane")
 
@@ -173,6 +174,11 @@ class LaneContext:
         self.defers = defers
         """Whether the call may wait in a collective without its thread (:mod:`xreduced.deferred`): the
         lane's own thread serves it."""
+        self.keeps_repeats = False
+        """Whether the service may keep a :class:`~xreduced.repeated.Repeat` of this call (in :attr:`repeat`)
+        for the lane to serve its repeats."""
+        self.repeat = None
+        """The :class:`~xreduced.repeated.Repeat` the service kept of this call, if any."""
 
     def peer(self) -> str:
         """``unix:lane pid=N``: a local caller (what the region checks look for)."""
@@ -280,6 +286,8 @@ class LocalLane:
         max_connections: connections served at once; more are refused (their callers use gRPC).
         protect: called with a socket file's path once it is bound (its permissions).
         express: the express lane for small calls of known shapes, or None (``--lane-express-hold 0``).
+        repeat: serves a kept repeat (:meth:`xreduced.service.CrossDeviceOpsService.repeat`), or None: every call
+            takes the full path.
         wakeup: wakes the lane's thread from other threads; the express lane's (:class:`Wakeup`), or a new one.
             The lane closes it.
 
@@ -295,7 +303,8 @@ class LocalLane:
 
     def __init__(self, address: str, pipeline: CallPipeline, handlers: Mapping[str, grpc.RpcMethodHandler],
                  regions: RegionTable, max_connections: int, protect: Callable[[str], None] | None = None,
-                 express: Express | None = None, wakeup: Wakeup | None = None):
+                 express: Express | None = None, wakeup: Wakeup | None = None,
+                 repeat: Callable[[Repeat, str, float | None], None] | None = None):
         self.address = address
         self._pipeline = pipeline
         self._handlers = handlers
@@ -320,6 +329,8 @@ class LocalLane:
         """The calls served by the loop that wait in a collective (deferred)."""
         self.express = express
         """The express lane (:mod:`xreduced.express`), or None."""
+        self._repeat_run = repeat
+        self._repeat_calls = 0
 
     def start(self) -> LocalLane:
         """Binds and starts accepting.
@@ -372,6 +383,12 @@ class LocalLane:
         """(connections open now, calls served since the start)."""
         with self._lock:
             return len(self._connections), self._calls
+
+    def repeat_calls(self) -> int:
+        """Calls served as kept repeats (:mod:`xreduced.repeated`) since the start; they count in :meth:`counts`
+        too."""
+        with self._lock:
+            return self._repeat_calls
 
     def express_counts(self) -> tuple[int, int]:
         """(calls the express lane answered since the start, which count in :meth:`counts` too; calls it holds
@@ -581,6 +598,9 @@ class LocalLane:
             except frames.FrameError as e:
                 connection.send(frames.reply(grpc.StatusCode.INVALID_ARGUMENT.value[0], True, str(e).encode()))
                 continue
+            if method != "Broadcast" and (kept := connection.repeats.get(request)) is not None and \
+                    self._repeat(connection, method, timeout, request, *kept):
+                continue
             handler = connection.handlers.get(method)
             if handler is None:
                 connection.send(frames.reply(grpc.StatusCode.UNIMPLEMENTED.value[0], True,
@@ -590,7 +610,7 @@ class LocalLane:
             connection.busy = True
             if _inline(method, incoming, self._host_region_bytes(connection)):
                 if self.express is None or not self._express(connection, method, incoming, timeout):
-                    self._call(connection, method, handler, incoming, timeout, defers=True)
+                    self._call(connection, method, handler, incoming, timeout, defers=True, request=request)
             elif not self._closed:
                 self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False)
 
@@ -611,6 +631,30 @@ class LocalLane:
             return total
 
         return host_bytes
+
+    def _repeat(self, connection: _Connection, method: str, timeout: float | None, request: bytes, repeat: Repeat,
+                reply: bytes) -> bool:
+        """Serves a call whose request the connection sent before, byte for byte (:mod:`xreduced.repeated`): the
+        kept repeat runs and the kept reply goes back. False, with nothing sent, when the full path is to serve it
+        (the daemon drains, the budget refuses, a region changed, anything raised: the repeat is then
+        forgotten)."""
+        call = self._pipeline.begin_repeat(method_path(method), len(request), repeat.held)
+        if call is None:
+            return False
+        try:
+            self._repeat_run(repeat, connection.session_id, timeout)
+        except Exception as e:  # the full path answers, with its error if it is one
+            connection.repeats.forget(request)
+            self._pipeline.end_express(call, None)
+            log.debug("event=repeat_forgotten peer=%s method=%s reason=%r", connection.peer, method, str(e))
+            return False
+        with self._lock:
+            self._calls += 1
+            self._repeat_calls += 1
+        connection.busy = False  # before the reply goes: its caller's next call may follow at once
+        connection.send(frames.reply(0, False, reply))
+        self._pipeline.end_express(call, len(reply))
+        return True
 
     def _express(self, connection: _Connection, method: str, incoming, timeout: float | None) -> bool:
         """Offers the call to the express lane: False when the full path is to serve it; else the replies it
@@ -640,15 +684,19 @@ class LocalLane:
             self._note_waiting(connection)
 
     def _call(self, connection: _Connection, method: str, handler, incoming, timeout: float,
-              defers: bool) -> None:
-        """One call through the pipeline; its reply is sent now, or by whoever resolves its deferred."""
+              defers: bool, request: bytes | None = None) -> None:
+        """One call through the pipeline; its reply is sent now, or by whoever resolves its deferred. A call the
+        lane's thread serves, given its ``request`` bytes, may leave a repeat to keep (:mod:`xreduced.repeated`)."""
         context = connection.context = LaneContext(connection.peer, connection.metadata, timeout, connection,
                                                    defers=defers)
+        context.keeps_repeats = request is not None and self._repeat_run is not None
         try:
             data = handler.unary_unary(incoming, context)
         except Exception as e:
             self._answer(connection, context, method, None, e)
         else:
+            if context.repeat is not None and isinstance(data, bytes):
+                connection.repeats.keep(request, context.repeat, data)
             if isinstance(data, Deferred):
                 connection.waiting = data
                 data.on_done(lambda value, error: self._answer(connection, context, method, value, error))
@@ -685,6 +733,8 @@ class _Connection(LaneConnection):
         """A call of this connection is in progress (its caller sends the next after the reply)."""
         self.waiting: Deferred | None = None
         """The call that waits in a collective, deferred."""
+        self.repeats = Repeats()
+        """The requests this connection sent that the lane serves again as kept repeats."""
 
 
 def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> bool:

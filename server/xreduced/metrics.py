@@ -24,7 +24,8 @@ can run in one process); ``--metrics-listen`` serves them over HTTP:
 * ``xreduce_local_lane_connections`` (gauge), ``xreduce_local_lane_calls_total``: the local lane
   (:mod:`xreduced.lane`); ``xreduce_local_lane_express_calls_total``: those of its calls its express
   lane answered, and ``xreduce_local_lane_express_held`` (gauge): calls held there now for the rest of their
-  collectives (:mod:`xreduced.express`);
+  collectives (:mod:`xreduced.express`); ``xreduce_local_lane_repeat_calls_total``: those it served as kept
+  repeats (:mod:`xreduced.repeated`);
 * groups across nodes, per ``group``: ``xreduce_group_info{group,engine,state,coordinator}`` (1),
   ``xreduce_group_epoch``, ``xreduce_group_nodes``,
   ``xreduce_group_failed`` (1 once the epoch has lost a peer or a process), ``xreduce_group_lost_peers``,
@@ -81,9 +82,11 @@ class _CallsCollector:
 class _LaneCollector:
     """The local lane's connections and calls, read when scraped."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int]], express: Callable[[], tuple[int, int]]):
+    def __init__(self, counts: Callable[[], tuple[int, int]], express: Callable[[], tuple[int, int]],
+                 repeats: Callable[[], int]):
         self._counts = counts
         self._express = express
+        self._repeats = repeats
 
     def describe(self):
         return []
@@ -103,6 +106,9 @@ class _LaneCollector:
         yield GaugeMetricFamily("xreduce_local_lane_express_held",
                                 "Calls held in the express lane now, for the rest of their collectives.",
                                 value=float(held))
+        yield CounterMetricFamily("xreduce_local_lane_repeat_calls",
+                                  "Calls of the local lane served as kept repeats (a request sent before, byte for "
+                                  "byte, its tensors in shared memory).", value=float(self._repeats()))
 
 
 class _GroupCollector:
@@ -204,17 +210,20 @@ class Stats:
         self.registry.register(_GroupCollector(groups))
 
     def watch_lane(self, counts: Callable[[], tuple[int, int]],
-                   express: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
-        """Exports the local lane's (connections, calls) that ``counts()`` returns, and its express lane's (calls
-        answered, calls held now) that ``express()`` returns, when scraped.
+                   express: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                   repeats: Callable[[], int] = lambda: 0) -> None:
+        """Exports the local lane's (connections, calls) that ``counts()`` returns, its express lane's (calls
+        answered, calls held now) that ``express()`` returns, and the calls it served as kept repeats
+        (``repeats()``), when scraped.
 
         Example:
             >>> s = Stats()
-            >>> s.watch_lane(lambda: (2, 40), lambda: (38, 1))
-            >>> [s.registry.get_sample_value(f"xreduce_local_lane_{n}_total") for n in ("calls", "express_calls")]
-            [40.0, 38.0]
+            >>> s.watch_lane(lambda: (2, 40), lambda: (38, 1), lambda: 1)
+            >>> [s.registry.get_sample_value(f"xreduce_local_lane_{n}_total") for n in ("calls", "express_calls",
+            ...                                                                           "repeat_calls")]
+            [40.0, 38.0, 1.0]
         """
-        self.registry.register(_LaneCollector(counts, express))
+        self.registry.register(_LaneCollector(counts, express, repeats))
 
     def record(self, method: str, code: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
         """Counts one finished call.

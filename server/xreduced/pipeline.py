@@ -278,12 +278,39 @@ class CallPipeline(grpc.ServerInterceptor):
             self._calls += 1
         return call
 
+    def begin_repeat(self, method: str, size: int, held: int) -> Call | None:
+        """A call the lane serves as a kept repeat (:mod:`xreduced.repeated`) without the interceptor: counted in
+        flight and its working set (``held``, what the full path admitted for the same request) reserved in the
+        in-flight budget; None, with nothing held, while the daemon drains or when the budget refuses it (the full
+        path then answers it). :meth:`end_express` ends it.
+
+        Example:
+            >>> pipeline = CallPipeline(Stats(), Admission())
+            >>> call = pipeline.begin_repeat("/x.Y/Reduce", 64, 128)
+            >>> pipeline.admission.inflight.value
+            128
+            >>> pipeline.end_express(call, 32); pipeline.admission.inflight.value
+            0
+        """
+        if self._draining:
+            return None
+        try:
+            self.admission.inflight.reserve(held, size)
+        except LimitExceeded:
+            return None
+        call = Call(next(_ids), method, bytes_in=size, held=held)
+        with self._idle:
+            self._calls += 1
+        return call
+
     def end_express(self, call: Call | None, bytes_out: int | None) -> None:
-        """Ends a call of :meth:`begin_express`: counted and logged (step 8) with ``bytes_out`` sent; with None,
-        it is handed to the full path instead, which counts it itself (only its hold is released here)."""
+        """Ends a call of :meth:`begin_express` or :meth:`begin_repeat`: counted and logged (step 8) with
+        ``bytes_out`` sent; with None, it is handed to the full path instead, which counts it itself (only its
+        hold is released here)."""
         if call is None:
             return
-        self.admission.collectives.leave(call.collective)
+        if call.collective is not None:
+            self.admission.collectives.leave(call.collective)
         call.bytes_out = bytes_out or 0
         self._end(call, counted=bytes_out is not None)
 

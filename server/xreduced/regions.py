@@ -469,6 +469,31 @@ class RegionTable:
         """
         return CallRegions(self, session_id)
 
+    def pin_named(self, session_id: str | None, names: list[str]) -> list[Region] | None:
+        """The session's regions of these names, pinned (unmapped only once :meth:`unpin` has released them), or
+        None, with nothing pinned, when the session or one of them is gone: a kept repeat
+        (:mod:`xreduced.repeated`) then takes the full path, which says what is wrong.
+
+        Example:
+            >>> table = RegionTable()
+            >>> table.pin_named(table.open_session().id, ["x"]) is None
+            True
+        """
+        with self._lock:
+            session = self._sessions.get(session_id) if session_id is not None else None
+            if session is None or session.closed.is_set():
+                return None
+            regions = [session.regions.get(name) for name in names]
+            if None in regions:
+                return None
+            for region in regions:
+                region.in_use += 1
+        return regions
+
+    def unpin(self, regions: list[Region]) -> None:
+        """Releases regions :meth:`pin_named` pinned."""
+        self._unpin(regions)
+
     def _pin(self, session_id: str | None, name: str, offset: int, byte_size: int, field: str) -> Region:
         session = self._session(session_id, field)
         with self._lock:
@@ -525,6 +550,10 @@ class CallRegions:
             region.check()
             self._checked.add(id(region))
         return region.view(offset, dtype, shape)
+
+    def pinned(self) -> dict[str, Region]:
+        """The regions this call has named so far, by name."""
+        return {region.name: region for region in self._pinned}
 
     def release(self) -> None:
         """The call ended: the regions it named may be unmapped."""

@@ -239,10 +239,10 @@ class Daemon:
         self.lane = LocalLane(lane_address(self.address), self.pipeline, handlers, self.regions,
                               max_connections=self.config.workers,
                               protect=lambda path: security.protect_socket(path, self.config), express=self.express,
-                              wakeup=self._wakeup)
+                              wakeup=self._wakeup, repeat=self.service.repeat)
         with security.private_files():  # a socket file is never more open than 0600, even for a moment
             self.lane.start()
-        self.stats.watch_lane(self.lane.counts, self.lane.express_counts)
+        self.stats.watch_lane(self.lane.counts, self.lane.express_counts, self.lane.repeat_calls)
 
     def serving_line(self) -> str:
         """The ``event=serving`` log line: the bound address, the backend and the devices."""

@@ -26,7 +26,7 @@ from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.contract import METHOD_PREFIX
 from xreduce.wire.devices import DeviceName
 
-from xreduced import across, decode, oom, planner, streaming
+from xreduced import across, decode, oom, planner, repeated, streaming
 from xreduced.admission import Admission, LimitExceeded
 from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
@@ -610,9 +610,14 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         outs = [decode.views(s) for s in slots]
         replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
         if group is None:
-            return reply((self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
+            results = self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
                 op, pairs, num_packs=options.num_packs, algorithm=options.algorithm, reduce_to=options.reduce_to,
-                deadline=options.deadline, dest_fields=dest_fields, out=outs)), slots))
+                deadline=options.deadline, dest_fields=dest_fields, out=outs))
+            if getattr(context, "keeps_repeats", False) and regions is not None and request.HasField("output"):
+                context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
+                                               options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
+                                               call.held)
+            return reply((results, slots))
         share = Contribution(kind, op, options.num_packs, options.algorithm, options.reduce_to, tuple(resolved),
                              out=tuple(outs), shape=shape)
         deadline = options.deadline
@@ -627,6 +632,18 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                             lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster,
                             deferrable=True)
         return then(result, lambda r: reply((r, slots)))
+
+    def repeat(self, repeat: repeated.Repeat, session_id: str, call_seconds: float | None) -> None:
+        """Serves a kept repeat (:mod:`xreduced.repeated`) of session ``session_id``: the engine reduces its
+        regions' bytes into its output slots, timed as the full path times a reduction.
+
+        Raises:
+            xreduced.repeated.Stale: a region of the request is not the one validated; or what the region checks
+                and the engine raise. The lane then serves the call by the full path.
+        """
+        self._timed(repeat.kind, repeat.replica_bytes, lambda: repeat.run(
+            lambda names: self.regions.pin_named(session_id, names), self.regions.unpin, self.engine.batch_reduce,
+            call_seconds))
 
     def _cluster(self, group: decode.Group | None) -> ClusterGroup | None:
         """The group across nodes ``group`` belongs to, checked for its epoch; None for a one-daemon group."""

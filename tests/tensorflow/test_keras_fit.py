@@ -62,6 +62,8 @@ def test_two_replicas_train_to_tfs_weights_bit_for_bit(daemon, tmp_path, model):
         assert event["event"] == "fit", event
         assert event["history"] == tf_fit["history"] and event["replicas"] == 2
         assert bitwise(weights, tf_weights)
+        if model == "mlp":  # every step's all-reduce a prepared batch (xreduce._prepared); sparse ones are not
+            assert event["prepared_calls"] >= 21, event
 
 
 def test_four_replicas_match_tf_once_grappler_keeps_its_order(daemon, tmp_path):

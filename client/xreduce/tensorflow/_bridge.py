@@ -234,7 +234,7 @@ def pack(pairs: Sequence[Pair]) -> list[tuple[Pair, Callable[[Any], list[Any]], 
             continue
         key = (tf.as_dtype(p.components[0].dtype), p.devices, p.destinations, p.sdk_destinations)
         groups.setdefault(key, []).append(i)
-    out = [(pairs[i], lambda tensors, p=pairs[i]: [p.result(tensors)], (i,)) for i in alone]
+    out = _entries(pairs, alone)
     for places in groups.values():
         if len(places) == 1:
             p = pairs[places[0]]
@@ -243,6 +243,24 @@ def pack(pairs: Sequence[Pair]) -> list[tuple[Pair, Callable[[Any], list[Any]], 
             packed = Packed(tuple(pairs[i] for i in places), tuple(places))
             out.append((packed.sent(), packed.results, tuple(places)))
     return sorted(out, key=lambda entry: entry[2][0])
+
+
+def unpacked(pairs: Sequence[Pair]) -> list[tuple[Pair, Callable[[Any], list[Any]], tuple[int, ...]]]:
+    """What to send for ``pairs`` when each goes as it is (:func:`pack`'s entries, none packed).
+
+    Example:
+        >>> with tf.device("/cpu:0"):
+        ...     a, b = tf.ones([2, 3]), tf.zeros([4])
+        >>> pairs = [Pair((a,), ("CPU:0",), ("/cpu:0",), ("CPU:0",)), Pair((b,), ("CPU:0",), ("/cpu:0",), ("CPU:0",))]
+        >>> [places for _, _, places in unpacked(pairs)]
+        [(0,), (1,)]
+    """
+    return _entries(pairs, range(len(pairs)))
+
+
+def _entries(pairs: Sequence[Pair], indices) -> list[tuple[Pair, Callable[[Any], list[Any]], tuple[int, ...]]]:
+    """The entries of :func:`pack` for the pairs at ``indices``, each sent as it is."""
+    return [(pairs[i], lambda tensors, p=pairs[i]: [p.result(tensors)], (i,)) for i in indices]
 
 
 def sdk_result(result: Any, sparse: bool) -> list[np.ndarray]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as tf_cdo
 from tensorflow.python.distribute import reduce_util
@@ -19,6 +20,7 @@ from tensorflow.python.distribute import reduce_util
 from xreduce import _gather
 from xreduce import _ops as sdk
 from xreduce._options import ConnectionOptions
+from xreduce._prepared import PreparedBatch, Spec
 from xreduce._runtime import ProcessGroup
 from xreduce.tensorflow import _bridge
 from xreduce.tensorflow._devices import local_name, sdk_name
@@ -94,12 +96,17 @@ class _DaemonOps:
     def _reduce_batch(self, reduce_op: Any, value_destination_pairs: list, options: Any, single: bool) -> list:
         op = _op_name(reduce_op)
         given = self._pairs(value_destination_pairs)
-        plan = _bridge.pack(given)
-        pairs = [sent for sent, _, _ in plan]
         timeout = getattr(options, "timeout_seconds", None)
         sdk_options = sdk.CommunicationOptions(timeout_seconds=timeout) if timeout else None
+        prepared = self._prepared(op, given, timeout)
+        # A prepared batch copies each tensor into its place in shared memory and returns each result as a view:
+        # packing in TF first would only add a concatenation and a split to the step.
+        plan = _bridge.unpacked(given) if prepared is not None else _bridge.pack(given)
+        pairs = [sent for sent, _, _ in plan]
 
         def reduce(arrays: list) -> list:
+            if prepared is not None:
+                return prepared(arrays)
             it = iter(arrays)
             batch = [(sdk.PerReplica(p.sdk_value(it), devices=p.devices), list(p.sdk_destinations)) for p in pairs]
             if single:
@@ -117,6 +124,17 @@ class _DaemonOps:
             for place, result in zip(places, unpack(tensors)):
                 results[place] = result
         return results
+
+    def _prepared(self, op: str, pairs: list[_bridge.Pair], timeout: float | None) -> PreparedBatch | None:
+        """The batch as a :class:`~xreduce._prepared.PreparedBatch` (a traced step's call made once, then
+        repeated without the SDK's per-call work), in one process, when every value is dense and of a known
+        shape; else None (eagerly too: each eager call is a new one; in a group, the SDK's collective path)."""
+        if tf.executing_eagerly() or self._group() is not None or any(
+                p.sparse or not all(c.shape.is_fully_defined() for c in p.components) for p in pairs):
+            return None
+        specs = [Spec(p.devices, p.sdk_destinations, np.dtype(p.components[0].dtype.as_numpy_dtype),
+                      tuple(p.components[0].shape.as_list())) for p in pairs]
+        return PreparedBatch(self._sdk, op, specs, timeout)
 
     _replicas: tuple[int, int] | None = None
     """(the global id of this process's first replica, the job's replica count), once a

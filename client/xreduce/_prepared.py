@@ -1,0 +1,394 @@
+"""A batch reduction that a caller repeats with the same shapes: its request and segments made once.
+
+A training step's gradient all-reduce is the same call step after step: the
+same dtypes, shapes, devices and destinations, new bytes. Through
+``batch_reduce`` each call is checked, named, fused, staged, encoded and its
+reply decoded again, about half a millisecond of Python in the caller for a
+reduction of a few hundred microseconds. :class:`PreparedBatch` does that work
+once. In one process (no multi-process group) whose daemon shares its host and
+offers a local lane, it keeps a staging segment and an output segment
+registered with the daemon, and the serialized request that names them (the
+pairs of one kind, devices, destinations and dtype, fused into one value: each
+replica's arrays back to back, so the daemon sums one flat tensor); each call
+copies the arrays into the staging segment, sends the same bytes over the lane,
+and returns views of the output segment, which is reused once they are all gone
+(a few are kept, :data:`MAX_SLOTS`, for results still in use). The daemon
+serves those bytes as a kept repeat (:mod:`xreduced.repeated`).
+
+Anything else takes ``batch_reduce`` (the same numbers: the daemon reduces both
+alike): a group, the ``wire`` transport, no lane or no shared memory, another
+thread's call in progress, a session that ended (the next call prepares again).
+A call that got no answer (a timeout, a broken lane) gives its segments up (the
+daemon may still use them); one the daemon refused keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+from xreduce import _transports
+from xreduce._call import ReduceCall
+from xreduce._errors import XReduceError
+from xreduce._job_devices import reduce_to, to_daemon
+from xreduce._lane import Lane, Refused
+from xreduce._segments import Segment
+from xreduce._shared_memory import SharedMemory
+from xreduce._values import Mirrored, PerReplica
+from xreduce.v1 import xreduce_pb2 as pb
+from xreduce.wire import codec
+from xreduce.wire.contract import mean_dtype
+from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One pair of a :class:`PreparedBatch`: its replicas' devices and destinations (any device-name form), and
+    the dtype and shape every replica's array has.
+
+    Example:
+        >>> Spec(("CPU:0", "CPU:1"), ("CPU:0", "CPU:1"), np.dtype("float32"), (2, 3)).nbytes
+        24
+    """
+
+    devices: tuple[str, ...]
+    destinations: tuple[str, ...]
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one replica's array."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class PreparedBatch:
+    """``ops.batch_reduce(op, pairs, options)`` for pairs of fixed :class:`Spec` s, called again and again.
+
+    Args:
+        ops: the SDK's ``CrossDeviceOps`` (``xreduce.distribute.HierarchicalCopyAllReduce`` and so on).
+        op: ``"SUM"`` or ``"MEAN"`` (any form ``ReduceOp.from_value`` takes).
+        specs: the pairs.
+        timeout_seconds: ``CommunicationOptions.timeout_seconds`` of every call, or None.
+
+    Raises:
+        ValueError: an op that is neither, no pairs, a pair without devices or destinations, a dtype the daemon
+            does not reduce.
+
+    Example:
+        >>> import xreduce
+        >>> with xreduce.serve_embedded(virtual_devices=2):
+        ...     ops = xreduce.distribute.HierarchicalCopyAllReduce()
+        ...     spec = Spec(("CPU:0", "CPU:1"), ("CPU:0", "CPU:1"), np.dtype("float32"), (2,))
+        ...     prepared = PreparedBatch(ops, "SUM", [spec])
+        ...     [prepared([np.float32([1, 2]), np.float32([3, 4])])[0] for _ in range(3)][-1]
+        ...     prepared.close()
+        array([4., 6.], dtype=float32)
+    """
+
+    def __init__(self, ops, op: str, specs: Sequence[Spec], timeout_seconds: float | None = None):
+        from xreduce._ops import CommunicationOptions, ReduceOp
+
+        self.op = ReduceOp.from_value(op).value
+        if not specs:
+            raise ValueError("specs: a prepared batch needs at least one pair; got none")
+        for k, s in enumerate(specs):
+            if not s.devices or not s.destinations:
+                raise ValueError(f"specs[{k}]: needs devices and destinations; got {s.devices!r}, {s.destinations!r}")
+            codec.dtype_enum(s.dtype)
+        self.specs = tuple(specs)
+        self._ops = ops
+        self._options = CommunicationOptions(timeout_seconds=timeout_seconds) if timeout_seconds else None
+        self._timeout = timeout_seconds
+        self._arity = sum(len(s.devices) for s in self.specs)
+        self._lock = threading.Lock()
+        self._fast: _Fast | None = None
+        self._finalizer = weakref.finalize(self, _Fast.close_of, [None])
+        self.fast_calls = 0
+        """Calls that took the prepared path (the others took ``batch_reduce``)."""
+
+    def __call__(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Each pair's result on its first destination device, from ``arrays``: every replica's array of every
+        pair, in order. The results are views of shared memory (or new arrays), never written again while in use.
+
+        Raises:
+            ValueError: not one array per replica, or one of another dtype or shape than its spec.
+            xreduce.XReduceError: what ``batch_reduce`` raises.
+        """
+        if len(arrays) != self._arity:
+            raise ValueError(f"arrays: {self._arity} (one per replica of each pair) expected; got {len(arrays)}")
+        i = 0
+        for k, s in enumerate(self.specs):
+            for _ in s.devices:
+                a = arrays[i]
+                if a.dtype != s.dtype or a.shape != s.shape:
+                    raise ValueError(f"arrays[{i}]: {s.dtype.name}{list(s.shape)} expected (pair {k}); got "
+                                     f"{a.dtype.name}{list(a.shape)}")
+                i += 1
+        if self._lock.acquire(blocking=False):
+            try:
+                fast = self._ready()
+                if fast is not None:
+                    try:
+                        results = fast.call(arrays)
+                    except _Busy:
+                        pass
+                    except Refused:
+                        self._drop()
+                    except XReduceError as e:
+                        if not e.answered:  # the daemon may still use the segments
+                            self._drop(failed=True)
+                        raise
+                    else:
+                        self.fast_calls += 1
+                        return results
+            finally:
+                self._lock.release()
+        return self._slow(arrays)
+
+    def _slow(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        it = iter(arrays)
+        batch = [(PerReplica([next(it) for _ in s.devices], devices=list(s.devices)), list(s.destinations))
+                 for s in self.specs]
+        results = self._ops.batch_reduce(self.op, batch, self._options)
+        return [r.values[0] if isinstance(r, Mirrored) else r for r in results]
+
+    def _ready(self) -> _Fast | None:
+        """The prepared path for this call, made (again) if needed; None when the call is to take
+        ``batch_reduce``."""
+        fast = self._fast
+        if self._ops._group() is not None:
+            return None
+        client = self._ops.client
+        lane = client.local_lane()
+        if lane is None:
+            return None
+        if fast is not None:
+            if fast.lane is lane and lane.usable():
+                return fast
+            self._drop()
+        shm = client.shared_memory()
+        if shm is None:
+            return None
+        try:
+            fast = _Fast(shm, lane, self._request(), self._deadline(client.timeout))
+        except OSError:  # no room in /dev/shm: batch_reduce falls back as it can
+            return None
+        self._fast = fast
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _Fast.close_of, [fast])
+        return fast
+
+    def _deadline(self, default: float) -> float:
+        return default if self._timeout is None else self._timeout + _transports.DEADLINE_SLACK_SECONDS
+
+    def _request(self) -> _Layout:
+        """The request and where everything goes (:func:`_layout`), with this ops' algorithm."""
+        algorithm = self._ops._algorithm()
+        if algorithm.reduce_to_device:
+            algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device, None))
+        return _layout(pb.BatchReduceRequest(**_transports._fields(ReduceCall(self.op, (), algorithm, self._timeout))),
+                       self.specs)
+
+    def _drop(self, failed: bool = False) -> None:
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _Fast.close_of, [None])
+            fast.close(failed)
+
+    def close(self) -> None:
+        """Gives the segments back (a later call prepares again)."""
+        with self._lock:
+            self._drop()
+
+
+@dataclasses.dataclass
+class _Layout:
+    """A prepared batch's request and where its bytes go: made once (:func:`_layout`)."""
+
+    request: pb.BatchReduceRequest
+    """The ``BatchReduce`` request, its regions' offsets set, their names not yet."""
+    inputs: list[tuple[int, np.dtype, tuple[int, ...]]]
+    """Each array's (offset in the staging segment, dtype, shape), in the order the arrays come."""
+    stage_bytes: int
+    out_bytes: int
+    parts: list[tuple[int, int, tuple[int, ...]]]
+    """Each spec's (pair of the request, first element in that pair's flat value, shape)."""
+
+
+def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
+    """``request`` (its op and options set) filled in: the specs of one kind (devices, destinations, dtype) as one
+    pair whose value is *fused* (each replica's arrays back to back, one flat tensor, ``fused_parts`` naming
+    them), a spec alone as its own pair; each replica's tensor at an aligned offset of the staging segment.
+
+    Example:
+        >>> f32 = np.dtype("float32")
+        >>> layout = _layout(pb.BatchReduceRequest(), [Spec(("CPU:0", "CPU:1"), ("CPU:0",), f32, (2, 3)),
+        ...                                             Spec(("CPU:0", "CPU:1"), ("CPU:0",), f32, (5,))])
+        >>> len(layout.request.pairs), list(layout.request.pairs[0].value.components[1].tensor.shape)
+        (1, [11])
+        >>> [at for at, _, _ in layout.inputs], layout.parts
+        ([0, 64, 24, 88], [(0, 0, (2, 3)), (0, 6, (5,))])
+    """
+    groups: dict[tuple, list[int]] = {}
+    for k, s in enumerate(specs):
+        groups.setdefault((s.devices, s.destinations, s.dtype), []).append(k)
+    mean = request.reduce_op == pb.REDUCE_OP_MEAN
+    inputs: list = [None] * sum(len(s.devices) for s in specs)
+    first = [0]
+    for s in specs:
+        first.append(first[-1] + len(s.devices))
+    parts: list = [None] * len(specs)
+    results, at = [], 0
+    for g, ((devices, destinations, dtype), members) in enumerate(groups.items()):
+        pair = request.pairs.add()
+        pair.destinations.extend(to_daemon(d, None, f"specs[{members[0]}].destinations[{i}]")
+                                 for i, d in enumerate(destinations))
+        elements, start = 0, []
+        for k in members:
+            start.append(elements)
+            parts[k] = (g, elements, specs[k].shape)
+            elements += specs[k].nbytes // dtype.itemsize
+        shape = specs[members[0]].shape if len(members) == 1 else (elements,)
+        if len(members) > 1:
+            pair.value.fused_parts.extend(pb.FusedPart(shape=specs[k].shape, index=k) for k in members)
+        for r, d in enumerate(devices):
+            at += -at % OUTPUT_ALIGNMENT
+            component = pair.value.components.add(device=to_daemon(d, None, f"specs[{members[0]}].devices[{r}]"))
+            component.tensor.dtype = codec.dtype_enum(dtype)
+            component.tensor.shape.extend(shape)
+            component.tensor.region.offset, component.tensor.region.byte_size = at, elements * dtype.itemsize
+            for k, e in zip(members, start):
+                inputs[first[k] + r] = (at + e * dtype.itemsize, dtype, specs[k].shape)
+            at += elements * dtype.itemsize
+        results.append((len(destinations), mean_dtype(dtype) if mean else dtype, shape))
+    return _Layout(request, inputs, max(at, 1), max(output_layout(results).nbytes, 1), parts)
+
+
+MAX_SLOTS = 3
+"""Output segments a prepared batch keeps at most: results are views of one, which is reused once they are all
+gone; while that many are still held, a call takes ``batch_reduce``."""
+
+
+class _Busy(Exception):
+    """Every output segment still holds results in use: this call takes ``batch_reduce``."""
+
+
+class _Slot:
+    """One output segment of a prepared batch, the request that names it, the reply it got last and where that
+    placed each pair's first result."""
+
+    def __init__(self, seg: Segment, body: bytes):
+        self.seg, self.body = seg, body
+        self.reply: bytes | None = None
+        self.places: list[tuple[int, int, np.dtype, tuple[int, ...]]] = []
+        self.free = True
+        """No result of this segment is in use (set by the finalizer of the array its results are views of)."""
+        self.closed: tuple[SharedMemory, bool] | None = None
+        """Once the prepared path has closed: where the segment goes back when its results are gone."""
+
+    def released(self) -> None:
+        """The results are all gone (a finalizer's: it may run in any thread)."""
+        self.free = True
+        if self.closed is not None:
+            shm, failed = self.closed
+            shm.later(shm.give_back, self.seg, True, failed)
+
+
+class _Fast:
+    """The prepared path of one session: the staging segment, the output segments (:class:`_Slot`), the request."""
+
+    def __init__(self, shm: SharedMemory, lane: Lane, layout: _Layout, timeout: float):
+        self.shm, self.lane, self.timeout = shm, lane, timeout
+        self._out_bytes = layout.out_bytes
+        self._parts = layout.parts
+        self.stage: Segment | None = shm.segment(layout.stage_bytes, output=False)
+        for pair in layout.request.pairs:
+            for component in pair.value.components:
+                component.tensor.region.name = self.stage.name
+        base = self.stage.base
+        self.inputs = [base[at:at + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+                       for at, dtype, shape in layout.inputs]
+        self._message = layout.request
+        self.slots: list[_Slot] = []
+
+    def _slot(self) -> _Slot:
+        for slot in self.slots:
+            if slot.free:
+                return slot
+        if len(self.slots) >= MAX_SLOTS:
+            raise _Busy()
+        seg = self.shm.segment(self._out_bytes, output=True)
+        self._message.output.name, self._message.output.byte_size = seg.name, seg.size
+        slot = _Slot(seg, self._message.SerializeToString())
+        self.slots.append(slot)
+        return slot
+
+    def call(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The results of one call: views of a free output segment, which stays in use until they are gone."""
+        slot = self._slot()
+        for view, a in zip(self.inputs, arrays):
+            np.copyto(view, a)
+        slot.free = False  # the daemon writes there from now on, even if no answer comes
+        try:
+            payload = self.lane.exchange("BatchReduce", slot.body, self.timeout)
+            if payload != slot.reply:
+                slot.places = _placed(payload, slot.seg, self._parts)
+                slot.reply = payload
+        except XReduceError as e:
+            slot.free = e.answered  # else it is given up with the others (the caller drops this path)
+            raise
+        except Exception:  # nothing sent (Refused), or a reply that placed nothing here: the daemon is done
+            slot.free = True
+            raise
+        hold = np.frombuffer(slot.seg.mm, np.uint8, slot.seg.size)  # every result is a view of it
+        weakref.finalize(hold, slot.released)
+        return [hold[at:at + nbytes].view(dtype).reshape(shape) for at, nbytes, dtype, shape in slot.places]
+
+    def close(self, failed: bool = False) -> None:
+        """Gives the segments back to their pools (``failed``: unlinks them, the daemon may still use them); an
+        output segment whose results are still in use goes back once they are gone."""
+        self.inputs = []
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            self.shm.give_back(stage, output=False, failed=failed)
+        for slot in self.slots:
+            slot.closed = (self.shm, failed)
+            if slot.free:
+                self.shm.give_back(slot.seg, output=True, failed=failed)
+        self.slots = []
+
+    @staticmethod
+    def close_of(holder: list) -> None:
+        """A finalizer's: closes the :class:`_Fast` in ``holder``, if any."""
+        if holder[0] is not None:
+            holder[0].close()
+
+
+def _placed(payload: bytes, seg: Segment,
+            parts: list[tuple[int, int, tuple[int, ...]]]) -> list[tuple[int, int, np.dtype, tuple[int, ...]]]:
+    """Where a reply placed each spec's result (its pair's first, of a fused pair the part's elements) in the output
+    segment ``seg``: (offset, bytes, dtype, shape).
+
+    Raises:
+        ValueError: a result outside the segment, or not in it.
+    """
+    placed = []
+    for k, r in enumerate(pb.BatchReduceResponse.FromString(payload).results):
+        tensor = r.result.components[0].tensor
+        s = tensor.region
+        if not tensor.HasField("region") or s.name != seg.name or s.offset + s.byte_size > seg.size:
+            raise ValueError(f"the daemon placed result {k} at {s.name}[{s.offset}:+{s.byte_size}], not in the "
+                             f"output segment {seg.name} of {seg.size} bytes")
+        placed.append((s.offset, codec.spec(tensor)[0]))
+    out = []
+    for g, element, shape in parts:
+        offset, dtype = placed[g]
+        out.append((offset + element * dtype.itemsize, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, dtype,
+                    shape))
+    return out

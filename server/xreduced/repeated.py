@@ -1,0 +1,224 @@
+"""Repeated calls: a process that sends a request again, byte for byte, its tensors in shared memory.
+
+A training step's all-reduce through shared memory sends the same request every
+step: the same regions, offsets, dtypes, shapes, devices, destinations and
+options; only the bytes in the regions change. Through the full path each such
+call is parsed, validated field by field, its regions looked up and its output
+laid out again, some thousands of bytecode instructions for a reduction whose
+arithmetic takes a few microseconds.
+
+So when the local lane's thread serves a *solo* call (no collective: one process's
+devices) whose tensors and output are all host shared-memory regions of the
+caller's session, the service keeps what validating it found, a :class:`Repeat`:
+each tensor's region, offset, dtype and shape, the output's slots, the op and
+options. The lane files it under the request's bytes for that connection, with
+the reply the full path sent. When the same bytes come again, the lane serves
+them with :meth:`Repeat.run`: the regions are pinned and checked as a call
+checks them, the engine reduces into the same output slots, and the kept reply
+(the same bytes the full path would encode: it names only those slots) goes
+back. The call is still admitted in the in-flight budget, counted, timed and
+logged like any call, and drained on shutdown (:meth:`xreduced.pipeline.CallPipeline.begin_repeat`).
+
+Nothing is trusted that could have changed: a region of the request that was
+unregistered, registered again, or that belongs to a session that ended makes
+the kept repeat *stale*, and the call takes the full path, which answers it as
+it always has (with its error, if it is one). A repeat holds no region: only
+their names and weak references to the regions it was validated against.
+
+Example:
+    >>> import numpy as np
+    >>> piece = Piece("xrs-1", 0, 8, np.dtype(np.float32), (2,))
+    >>> piece.nbytes, piece.shape
+    (8, (2,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from xreduce.wire import codec
+
+from xreduced.decode import Slot, timeout_seconds
+from xreduced.engine import Value
+from xreduced.executor import Deadline
+
+REPEATS_KEPT = 8
+"""Requests a lane connection keeps for repeats; the least recently used is forgotten first."""
+
+REPEAT_MAX_REQUEST_BYTES = 16 << 10
+"""A request longer than this (a batch of very many tensors) is not kept: a connection's repeats stay small."""
+
+
+class Stale(Exception):
+    """A kept repeat no longer fits the session's regions: the call takes the full path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One tensor in a region: where, and as what."""
+
+    region: str
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    devices: tuple[int, ...]
+    inputs: tuple[Piece, ...]
+    field: str
+    parts: tuple
+    destinations: tuple[int, ...]
+    outputs: tuple[tuple[int, Piece], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """What the service found validating a solo region request, kept to serve its repeats.
+
+    Made by :func:`kept` from a call the full path served; run by :meth:`run`."""
+
+    kind: str
+    """``Reduce`` or ``BatchReduce``."""
+    op: str
+    num_packs: int
+    algorithm: str
+    reduce_to: int | None
+    timeout: float | None
+    """The request's own ``timeout`` in seconds, or None."""
+    dest_fields: tuple[str, ...]
+    pairs: tuple[_Pair, ...]
+    regions: tuple[tuple[str, Any], ...]
+    """Each region the request names, with a weak reference to the region it named when validated."""
+    replica_bytes: int
+    held: int
+    """The call's working set in the in-flight budget, as the full path admitted it."""
+
+    def deadline(self, call_seconds: float | None) -> Deadline:
+        """The call's deadline, as :func:`xreduced.decode.deadline` makes it for a solo call.
+
+        Example:
+            >>> Repeat("Reduce", "SUM", 1, "hierarchical_copy", None, 5.0, (), (), (), 0, 0).deadline(2.0).seconds
+            2.0
+        """
+        limits = [s for s in (self.timeout, call_seconds) if s is not None]
+        return Deadline(min(limits) if limits else None)
+
+    def run(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None],
+            reduce: Callable[..., Any], call_seconds: float | None) -> None:
+        """Reduces the regions' current bytes into the output slots: ``pin(names)`` pins the session's regions of
+        those names (None when one is gone), ``unpin`` releases them, ``reduce`` is the engine's ``batch_reduce``.
+
+        Raises:
+            Stale: a region is not the one validated (unregistered, registered again, the session ended).
+            Whatever the region checks or the engine raise (the full path then answers the call).
+        """
+        names = [name for name, _ in self.regions]
+        regions = pin(names)
+        if regions is None:
+            raise Stale("a region is gone")
+        try:
+            by_name = {}
+            for (name, ref), region in zip(self.regions, regions):
+                if region is not ref():
+                    raise Stale(f"region {name!r} was registered again")
+                if region.check is not None:
+                    region.check()
+                by_name[name] = region
+            pairs, outs = [], []
+            for p in self.pairs:
+                arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
+                pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
+                outs.append({d: by_name[o.region].view(o.offset, o.dtype, o.shape) for d, o in p.outputs})
+            reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm, reduce_to=self.reduce_to,
+                   deadline=self.deadline(call_seconds), dest_fields=list(self.dest_fields), out=outs)
+        finally:
+            unpin(regions)
+
+
+def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to: int | None,
+         dest_fields: Sequence[str], resolved: Sequence[tuple[Value, tuple[int, ...]]],
+         slots: Sequence[dict[int, Slot] | None], pinned: dict[str, Any], held: int) -> Repeat | None:
+    """The :class:`Repeat` of a solo request the service validated and reduced, or None when it cannot be
+    repeated: a tensor not in a region, a sparse or typed value, no output region, a region not pinned by the
+    call (``pinned``: the call's regions by name), a host region it is not.
+
+    Example:
+        >>> from xreduce.v1 import xreduce_pb2 as pb
+        >>> kept("Reduce", pb.ReduceRequest(), "SUM", 1, "hierarchical_copy", None, [], [], [None], {}, 0) is None
+        True
+    """
+    values = [request.value] if kind == "Reduce" else [p.value for p in request.pairs]
+    if not values or any(s is None for s in slots) or len(values) != len(resolved):
+        return None
+    pairs = []
+    names: dict[str, Any] = {}
+    for message, (value, dests), slot in zip(values, resolved, slots):
+        inputs = []
+        for component in message.components:
+            if not component.HasField("tensor") or not component.tensor.HasField("region"):
+                return None
+            dtype, shape = codec.spec(component.tensor)
+            r = component.tensor.region
+            inputs.append(Piece(r.name, r.offset, r.byte_size, dtype, tuple(shape)))
+            names[r.name] = pinned.get(r.name)
+        outputs = []
+        for d, s in slot.items():
+            outputs.append((d, Piece(s.region, s.offset, s.view.nbytes, s.view.dtype, tuple(s.view.shape))))
+            names[s.region] = pinned.get(s.region)
+        pairs.append(_Pair(value.devices, tuple(inputs), value.field, value.parts, tuple(dests), tuple(outputs)))
+    if any(region is None or region.kind != "shm" for region in names.values()):
+        return None
+    timeout = timeout_seconds(request.timeout) if request.HasField("timeout") else None
+    replica_bytes = sum(int(v.arrays[0].nbytes) for v, _ in resolved)
+    return Repeat(kind, op, num_packs, algorithm, reduce_to, timeout, tuple(dest_fields), tuple(pairs),
+                  tuple((name, weakref.ref(region)) for name, region in names.items()), replica_bytes, held)
+
+
+class Repeats:
+    """A lane connection's kept repeats: request bytes -> (:class:`Repeat`, the reply's bytes), the most recent
+    :data:`REPEATS_KEPT`.
+
+    Example:
+        >>> repeats = Repeats()
+        >>> repeats.keep(b"request", "repeat", b"reply"); repeats.get(b"request")
+        ('repeat', b'reply')
+        >>> repeats.forget(b"request"); repeats.get(b"request") is None
+        True
+    """
+
+    def __init__(self, kept: int = REPEATS_KEPT):
+        self._kept = kept
+        self._entries: OrderedDict[bytes, tuple[Repeat, bytes]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, request: bytes) -> tuple[Repeat, bytes] | None:
+        """The repeat and reply kept for ``request``, or None."""
+        entry = self._entries.get(request)
+        if entry is not None:
+            self._entries.move_to_end(request)
+        return entry
+
+    def keep(self, request: bytes, repeat: Repeat, reply: bytes) -> None:
+        """Files ``repeat`` and its ``reply`` under the request's bytes (not one longer than
+        :data:`REPEAT_MAX_REQUEST_BYTES`)."""
+        if len(request) > REPEAT_MAX_REQUEST_BYTES:
+            return
+        self._entries[request] = (repeat, reply)
+        self._entries.move_to_end(request)
+        while len(self._entries) > self._kept:
+            self._entries.popitem(last=False)
+
+    def forget(self, request: bytes) -> None:
+        """Drops the entry of ``request`` (a stale one)."""
+        self._entries.pop(request, None)
+
