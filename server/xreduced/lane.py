@@ -598,9 +598,14 @@ class LocalLane:
             except frames.FrameError as e:
                 connection.send(frames.reply(grpc.StatusCode.INVALID_ARGUMENT.value[0], True, str(e).encode()))
                 continue
-            if method != "Broadcast" and (kept := connection.repeats.get(request)) is not None and \
-                    self._repeat(connection, method, timeout, request, *kept):
-                continue
+            if method != "Broadcast" and (kept := connection.repeats.get(request)) is not None:
+                if kept[0].region_bytes <= INLINE_REGION_BYTES:
+                    if self._repeat(connection, method, timeout, request, *kept):
+                        continue
+                elif not self._closed:  # a long reduction: a worker's, as the full path's would be
+                    connection.busy = True
+                    self._workers.submit(self._repeat_or_call, connection, method, timeout, request, kept)
+                    continue
             handler = connection.handlers.get(method)
             if handler is None:
                 connection.send(frames.reply(grpc.StatusCode.UNIMPLEMENTED.value[0], True,
@@ -612,7 +617,8 @@ class LocalLane:
                 if self.express is None or not self._express(connection, method, incoming, timeout):
                     self._call(connection, method, handler, incoming, timeout, defers=True, request=request)
             elif not self._closed:
-                self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False)
+                self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False,
+                                     request=request)
 
     def _host_region_bytes(self, connection: _Connection) -> Callable[[list], int | None]:
         """What :func:`_inline` asks of a call's region slices: their bytes when every one names a host
@@ -656,6 +662,16 @@ class LocalLane:
         self._pipeline.end_express(call, len(reply))
         return True
 
+    def _repeat_or_call(self, connection: _Connection, method: str, timeout: float | None, request: bytes,
+                        kept: tuple[Repeat, bytes]) -> None:
+        """A worker's: a kept repeat of more than :data:`INLINE_REGION_BYTES`, or the full path when it cannot
+        serve it."""
+        if self._repeat(connection, method, timeout, request, *kept):
+            return
+        handler = connection.handlers[method]
+        self._call(connection, method, handler, handler.request_deserializer(request), timeout, defers=False,
+                   request=request)
+
     def _express(self, connection: _Connection, method: str, incoming, timeout: float | None) -> bool:
         """Offers the call to the express lane: False when the full path is to serve it; else the replies it
         completed are sent and the calls it handed over served."""
@@ -685,8 +701,8 @@ class LocalLane:
 
     def _call(self, connection: _Connection, method: str, handler, incoming, timeout: float,
               defers: bool, request: bytes | None = None) -> None:
-        """One call through the pipeline; its reply is sent now, or by whoever resolves its deferred. A call the
-        lane's thread serves, given its ``request`` bytes, may leave a repeat to keep (:mod:`xreduced.repeated`)."""
+        """One call through the pipeline; its reply is sent now, or by whoever resolves its deferred. A call given
+        its ``request`` bytes may leave a repeat to keep (:mod:`xreduced.repeated`)."""
         context = connection.context = LaneContext(connection.peer, connection.metadata, timeout, connection,
                                                    defers=defers)
         context.keeps_repeats = request is not None and self._repeat_run is not None

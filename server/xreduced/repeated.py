@@ -7,7 +7,7 @@ call is parsed, validated field by field, its regions looked up and its output
 laid out again, some thousands of bytecode instructions for a reduction whose
 arithmetic takes a few microseconds.
 
-So when the local lane's thread serves a *solo* call (no collective: one process's
+So when the local lane serves a *solo* call (no collective: one process's
 devices) whose tensors and output are all host shared-memory regions of the
 caller's session, the service keeps what validating it found, a :class:`Repeat`:
 each tensor's region, offset, dtype and shape, the output's slots, the op and
@@ -100,6 +100,8 @@ class Repeat:
     replica_bytes: int
     held: int
     """The call's working set in the in-flight budget, as the full path admitted it."""
+    region_bytes: int = 0
+    """Bytes of the regions' slices it reads and writes: over the lane's inline bound, a worker serves it."""
 
     def deadline(self, call_seconds: float | None) -> Deadline:
         """The call's deadline, as :func:`xreduced.decode.deadline` makes it for a solo call.
@@ -178,8 +180,10 @@ def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to:
         return None
     timeout = timeout_seconds(request.timeout) if request.HasField("timeout") else None
     replica_bytes = sum(int(v.arrays[0].nbytes) for v, _ in resolved)
+    region_bytes = sum(piece.nbytes for p in pairs for piece in p.inputs + tuple(o for _, o in p.outputs))
     return Repeat(kind, op, num_packs, algorithm, reduce_to, timeout, tuple(dest_fields), tuple(pairs),
-                  tuple((name, weakref.ref(region)) for name, region in names.items()), replica_bytes, held)
+                  tuple((name, weakref.ref(region)) for name, region in names.items()), replica_bytes, held,
+                  region_bytes)
 
 
 class Repeats:

@@ -113,6 +113,19 @@ def test_a_request_sent_again_is_a_repeat_that_reduces_the_regions_new_bytes(dae
         assert len(replies) == 1  # a repeat's reply is the full path's, byte for byte
 
 
+def test_a_repeat_of_more_than_the_lane_s_inline_bytes_is_served_by_a_worker_too(daemon):
+    n = 1 << 20  # 2 replicas x 4 MiB of input and 2 x 4 MiB of output: over the 4 MiB the lane's thread serves
+    rng = np.random.default_rng(2)
+    with opened(daemon, n) as (regions, request):
+        before = repeat_calls(daemon)
+        for _ in range(3):
+            a, b = rng.standard_normal((2, n), dtype=np.float32)
+            regions.write([a, b])
+            code, _, out = regions.reduce(request)
+            assert code == 0 and all(np.array_equal(o, a + b) for o in out)
+        assert repeat_calls(daemon) - before == 2
+
+
 def test_a_region_unregistered_or_registered_again_sends_the_repeat_back_to_the_full_path(daemon):
     with opened(daemon, 64) as (regions, request):
         regions.write([np.full(64, 1, np.float32), np.full(64, 2, np.float32)])
