@@ -36,6 +36,7 @@ from xreduce._call import ReduceCall
 from xreduce._errors import XReduceError
 from xreduce._job_devices import reduce_to, to_daemon
 from xreduce._lane import Lane, Refused
+from xreduce._ops import CommunicationOptions, ReduceOp
 from xreduce._segments import Segment
 from xreduce._shared_memory import SharedMemory
 from xreduce._values import Mirrored, PerReplica
@@ -91,8 +92,6 @@ class PreparedBatch:
     """
 
     def __init__(self, ops, op: str, specs: Sequence[Spec], timeout_seconds: float | None = None):
-        from xreduce._ops import CommunicationOptions, ReduceOp
-
         self.op = ReduceOp.from_value(op).value
         if not specs:
             raise ValueError("specs: a prepared batch needs at least one pair; got none")
@@ -107,7 +106,8 @@ class PreparedBatch:
         self._arity = sum(len(s.devices) for s in self.specs)
         self._lock = threading.Lock()
         self._fast: _Fast | None = None
-        self._finalizer = weakref.finalize(self, _Fast.close_of, [None])
+        self._holder: list[_Fast | None] = [None]  # what the finalizer closes once this batch is collected
+        weakref.finalize(self, _Fast.close_of, self._holder)
         self.fast_calls = 0
         """Calls that took the prepared path (the others took ``batch_reduce``)."""
 
@@ -178,9 +178,7 @@ class PreparedBatch:
             fast = _Fast(shm, lane, self._request(), self._deadline(client.timeout))
         except OSError:  # no room in /dev/shm: batch_reduce falls back as it can
             return None
-        self._fast = fast
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _Fast.close_of, [fast])
+        self._fast = self._holder[0] = fast
         return fast
 
     def _deadline(self, default: float) -> float:
@@ -195,10 +193,8 @@ class PreparedBatch:
                        self.specs)
 
     def _drop(self, failed: bool = False) -> None:
-        fast, self._fast = self._fast, None
+        fast, self._fast, self._holder[0] = self._fast, None, None
         if fast is not None:
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _Fast.close_of, [None])
             fast.close(failed)
 
     def close(self) -> None:
