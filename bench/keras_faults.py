@@ -27,7 +27,8 @@ from xreduce_bench.daemon import DaemonProcess
 
 def trial(env: dict[str, str], sig: signal.Signals, rng: random.Random) -> tuple[float, dict]:
     procs = [subprocess.Popen([sys.executable, "-m", "xreduce_bench.keras_job", "--strategy", "xreduce",
-                               "--replicas", "1", "--processes", "2", "--process-id", str(p), "--steps", "100000"],
+                               "--replicas", "1", "--processes", "2", "--process-id", str(p), "--steps", "2000",
+                               "--epochs", "1000"],
                               env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for p in range(2)]
     try:
         for proc in procs:

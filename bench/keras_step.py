@@ -112,10 +112,15 @@ def main() -> int:
     p.add_argument("--alternations", type=int, default=3,
                    help="comparison 1: xreduce and TF's own timed in turn this many times in each round's process")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--no-kernel", action="store_true",
+                   help="XREDUCE_TF_KERNEL=0: one process's steps take the tf.numpy_function bridge, not xreduce's TF "
+                        "kernel")
     args = p.parse_args()
-    # PYTHONFAULTHANDLER: a process that dies of a signal (one did, SIGSEGV, about once in 30 jobs) prints where.
+    # PYTHONFAULTHANDLER: a process that dies of a signal (TF's SIGSEGV between fits, docs/benchmarks.md) prints where.
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
+    if args.no_kernel:
+        env["XREDUCE_TF_KERNEL"] = "0"
     metrics = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="xreduce-keras-") as tmp:
         daemon = DaemonProcess(["--listen", f"unix:{tmp}/xreduced.sock", "--metrics-listen", metrics,
@@ -159,12 +164,12 @@ def main() -> int:
                             profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
                                             statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
                             label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
+                            where = (f"bridge {profile[-1][0] * 1e3:.2f} ms, SDK call {profile[-1][1] * 1e3:.2f} ms"
+                                     if profile[-1][0] else "xreduce's TF kernel: no Python in the step")
                             print(f"{model:6s} {name:26s} {label}: xreduce {_ms(mine[-1])} ms, peer "
                                   f"{_ms(theirs[-1])} ms, ratio "
                                   f"{' / '.join(f'{a / b:.2f}' for a, b in zip(mine[-1], theirs[-1]))} "
-                                  f"(bridge {profile[-1][0] * 1e3:.2f} ms, SDK "
-                                  f"call {profile[-1][1] * 1e3:.2f} ms, daemon's reduction "
-                                  f"{profile[-1][2] * 1e3:.2f} ms)", flush=True)
+                                  f"({where}, daemon's reduction {profile[-1][2] * 1e3:.2f} ms)", flush=True)
                     if not mine:
                         continue
                     ratios = [statistics.median(m[i] / t[i] for m, t in zip(mine, theirs)) for i in range(3)]

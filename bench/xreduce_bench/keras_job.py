@@ -26,7 +26,8 @@ only a broadcast of the initial values makes them equal) and fits the same globa
 It prints one JSON line per event on stdout (``{"event": "ready"}``, ``{"event": "fit", ...}``
 with the history, the seconds per step of the timed epochs (all in, and the median step's),
 ``{"event": "training"}`` once the first step has run,
-``{"event": "error", ...}``; with xreduce, ``prepared_calls``: the calls its bridge made as prepared batches)
+``{"event": "error", ...}``; with xreduce, ``prepared_calls``: the calls its bridge made as prepared batches in
+Python, ``kernel_calls``: those xreduce's TF kernel made)
 and writes the
 weights to ``--out``.
 """
@@ -150,8 +151,8 @@ class Profile:
 
 
 def count_prepared_calls() -> list[int]:
-    """Counts the calls that take a prepared batch's path (``xreduce._prepared``): the one-item list it returns
-    holds the count."""
+    """Counts the calls that take a prepared batch's path (``xreduce._prepared``) in Python; the one-item list it
+    returns holds the count. Calls that xreduce's TF kernel made are counted by :func:`kernel_calls`."""
     from xreduce import _prepared
 
     count = [0]
@@ -166,6 +167,15 @@ def count_prepared_calls() -> list[int]:
 
     _prepared.PreparedBatch.__call__ = counted
     return count
+
+
+def kernel_calls(strategy: str) -> int:
+    """The calls xreduce's TF kernel made in this process (``xreduce.tensorflow._kernel``), 0 for TF's own."""
+    if not strategy.startswith("xreduce"):
+        return 0
+    from xreduce.tensorflow import _kernel
+
+    return _kernel.calls()
 
 
 def _Training(keras):
@@ -301,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
              replicas=strategy.num_replicas_in_sync, parameters=model.count_params(),
              bridge_seconds_per_step=profile.bridge / steps if steps else None,
              sdk_seconds_per_step=profile.sdk / steps if steps else None,
-             bridge_calls_per_step=profile.calls / steps if steps else None, prepared_calls=prepared[0])
+             bridge_calls_per_step=profile.calls / steps if steps else None, prepared_calls=prepared[0],
+             kernel_calls=kernel_calls(args.strategy))
         if args.out:
             np.savez(args.out, *[np.asarray(w) for w in model.get_weights()])
     except Exception as e:  # the launcher reads it

@@ -89,7 +89,8 @@ class Lane:
         self.session_id = session_id
         self._pid = os.getpid()  # a forked child must not talk on its parent's connections
         self._target = frames.socket_address(address)
-        self._hello = frames.hello(session_id, metadata)
+        self.hello = frames.hello(session_id, metadata)
+        """The hello frame every connection of this lane starts with."""
         self._daemon = daemon
         self._lock = threading.Lock()
         self._free: list[tuple[socket.socket, frames.FrameReader]] = []
@@ -115,7 +116,7 @@ class Lane:
         try:
             sock.settimeout(CONNECT_TIMEOUT_SECONDS)
             sock.connect(self._target)
-            sock.sendall(self._hello)
+            sock.sendall(self.hello)
             body = reader.read()
             if body is None:
                 raise Refused("the daemon closed the connection")

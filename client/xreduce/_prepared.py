@@ -42,6 +42,7 @@ from xreduce._shared_memory import SharedMemory
 from xreduce._values import Mirrored, PerReplica
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
+from xreduce.wire import lane as frames
 from xreduce.wire.contract import mean_dtype
 from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
 
@@ -106,8 +107,9 @@ class PreparedBatch:
         self._arity = sum(len(s.devices) for s in self.specs)
         self._lock = threading.Lock()
         self._fast: _Fast | None = None
-        self._holder: list[_Fast | None] = [None]  # what the finalizer closes once this batch is collected
-        weakref.finalize(self, _Fast.close_of, self._holder)
+        self._native: Native | None = None
+        self._holder: list[_Fast | None] = [None, None]  # what the finalizer closes once this batch is collected:
+        weakref.finalize(self, _Fast.close_of, self._holder)  # the prepared path, and the native part's
         self.fast_calls = 0
         """Calls that took the prepared path (the others took ``batch_reduce``)."""
 
@@ -185,8 +187,11 @@ class PreparedBatch:
         return default if self._timeout is None else self._timeout + _transports.DEADLINE_SLACK_SECONDS
 
     def _request(self) -> _Layout:
-        """The request and where everything goes (:func:`_layout`), with this ops' algorithm."""
+        """The request and where everything goes (:func:`_layout`), with this ops' algorithm (packing aside where
+        the dtypes differ: the values of one kind are fused already, and a pack holds one dtype)."""
         algorithm = self._ops._algorithm()
+        if algorithm.num_packs and len({s.dtype for s in self.specs}) > 1:
+            algorithm = dataclasses.replace(algorithm, num_packs=0)
         if algorithm.reduce_to_device:
             algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device, None))
         return _layout(pb.BatchReduceRequest(**_transports._fields(ReduceCall(self.op, (), algorithm, self._timeout))),
@@ -197,10 +202,100 @@ class PreparedBatch:
         if fast is not None:
             fast.close(failed)
 
+    def native(self) -> Native | None:
+        """This batch's call as a kernel outside Python makes it (``xreduce.tensorflow``'s TF kernel), made once:
+        segments of its own, which nothing else writes, registered in the session, and a first call made (with
+        zeros) to learn where the daemon places the results. None when there is no prepared path (a group, no
+        local lane, no shared memory, no room in ``/dev/shm``).
+
+        The segments stay until the batch is closed or collected (then they are unlinked: a kernel still
+        holding them keeps its own mapping, and the daemon answers its calls that the regions are gone).
+
+        Raises:
+            xreduce.XReduceError: the daemon refused the first call (what ``batch_reduce`` raises).
+
+        Example:
+            >>> import xreduce
+            >>> with xreduce.serve_embedded(virtual_devices=2):
+            ...     ops = xreduce.distribute.HierarchicalCopyAllReduce()
+            ...     spec = Spec(("CPU:0", "CPU:1"), ("CPU:0",), np.dtype("float32"), (2, 3))
+            ...     prepared = PreparedBatch(ops, "SUM", [spec])
+            ...     native = prepared.native()
+            ...     native.input_offsets, native.outputs[0][1:], native.hello[4:8]
+            ...     prepared.close()
+            ((0, 64), (dtype('float32'), (2, 3)), b'XRL1')
+        """
+        with self._lock:
+            if self._native is None and self._ops._group() is None:
+                self._native = self._make_native()
+            return self._native
+
+    def _make_native(self) -> Native | None:
+        client = self._ops.client
+        lane = client.local_lane()
+        shm = client.shared_memory() if lane is not None else None
+        if shm is None:
+            return None
+        layout = self._request()
+        try:
+            fast = _Fast(shm, lane, layout, self._deadline(client.timeout))
+            slot = fast._slot()
+        except OSError:
+            return None
+        self._holder[1] = fast
+        slot.free = False  # the kernel's for good
+        fast.stage.base[:] = 0
+        try:
+            places = _placed(lane.exchange("BatchReduce", slot.body, fast.timeout), slot.seg, fast._parts)
+        except BaseException:  # refused, no answer, or a reply that placed nothing here
+            self._holder[1] = None
+            fast.give_up()
+            raise
+        return Native(address=lane.address, daemon=client.address, hello=lane.hello,
+                      request=frames.request("BatchReduce", fast.timeout, slot.body), staging=fast.stage.name,
+                      staging_bytes=fast.stage.size, output=slot.seg.name, output_bytes=slot.seg.size,
+                      input_offsets=tuple(at for at, _, _ in layout.inputs),
+                      outputs=tuple((at, dtype, shape) for at, _, dtype, shape in places), timeout=fast.timeout)
+
     def close(self) -> None:
-        """Gives the segments back (a later call prepares again)."""
+        """Gives the segments back (a later call prepares again); the native part's are unlinked."""
         with self._lock:
             self._drop()
+            native, self._holder[1], self._native = self._holder[1], None, None
+            if native is not None:
+                native.give_up()
+
+
+@dataclasses.dataclass(frozen=True)
+class Native:
+    """A prepared batch's call as a kernel outside Python makes it (:meth:`PreparedBatch.native`): over a local-lane
+    connection of its own (a hello, then the same request frame each call), inputs copied into the staging segment,
+    results copied out of the output segment. Segments are files of ``/dev/shm``, by name.
+
+    Example:
+        >>> Native("unix:/run/x.sock.lane", "unix:/run/x.sock", b"", b"", "xrs", 64, "xro", 64, (0,),
+        ...        ((0, np.dtype("float32"), (2,)),), 65.0).staging_bytes
+        64
+    """
+
+    address: str
+    """The local lane's address (``unix:PATH`` or ``unix-abstract:NAME``)."""
+    daemon: str
+    """The daemon's address, for messages."""
+    hello: bytes
+    """The connection's hello frame (:func:`xreduce.wire.lane.hello`)."""
+    request: bytes
+    """The request frame (:func:`xreduce.wire.lane.request`)."""
+    staging: str
+    staging_bytes: int
+    output: str
+    output_bytes: int
+    input_offsets: tuple[int, ...]
+    """Where each array goes in the staging segment, in the order ``PreparedBatch`` takes them."""
+    outputs: tuple[tuple[int, np.dtype, tuple[int, ...]], ...]
+    """Each spec's result in the output segment: (offset, dtype, shape)."""
+    timeout: float
+    """Seconds a call may take, the daemon's answer included."""
 
 
 @dataclasses.dataclass
@@ -359,11 +454,20 @@ class _Fast:
                 self.shm.give_back(slot.seg, output=True, failed=failed)
         self.slots = []
 
+    def give_up(self) -> None:
+        """Closes a native part (:meth:`PreparedBatch.native`): its segments unlinked, never reused (a kernel may
+        still hold them)."""
+        for slot in self.slots:
+            slot.free = True
+        self.close(failed=True)
+
     @staticmethod
     def close_of(holder: list) -> None:
-        """A finalizer's: closes the :class:`_Fast` in ``holder``, if any."""
+        """A finalizer's: closes the :class:`_Fast` s in ``holder`` (the prepared path's, the native part's)."""
         if holder[0] is not None:
             holder[0].close()
+        if holder[1] is not None:
+            holder[1].give_up()
 
 
 def _placed(payload: bytes, seg: Segment,

@@ -70,7 +70,7 @@ def test_two_nodes_train_to_the_weights_of_one_process_with_every_replica(tmp_pa
 def test_a_process_killed_during_fit_fails_the_other_node_naming_it():
     with Nodes(2) as nodes:
         start_daemons(nodes)
-        procs = [job(nodes[p + 1], ["--replicas", "1", "--steps", "100000"], p) for p in range(2)]
+        procs = [job(nodes[p + 1], ["--replicas", "1", "--steps", "2000", "--epochs", "1000"], p) for p in range(2)]
         for proc in procs:
             while json.loads(proc.stdout.readline() or '{"event": "gone"}')["event"] not in ("training", "gone"):
                 pass

@@ -95,7 +95,7 @@ def test_a_process_ended_during_fit_fails_the_others_fit_naming_it(daemon, tmp_p
     fit raises at once with the daemon's error naming process 1, far within the collective timeout (120 s), and
     the daemon serves the next job."""
     group = f"kill-{how.name.lower()}"
-    job = keras_job(daemon, group, 2, 1, "", "--steps", "100000")
+    job = keras_job(daemon, group, 2, 1, "", "--steps", "2000", "--epochs", "1000")  # small data, fits for long
     for proc in job:  # both are training: their first step is done
         while json.loads(proc.stdout.readline() or '{"event": "gone"}')["event"] not in ("training", "gone"):
             pass

@@ -26,10 +26,10 @@ def daemon(start_module_daemon):
     return start_module_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "8")
 
 
-def fit(daemon, tmp_path, strategy: str, replicas: int, *flags: str) -> tuple[dict, list[np.ndarray]]:
-    """One job's fit event and weights."""
-    out = tmp_path / f"{strategy}-{replicas}-{abs(hash(flags))}.npz"
-    env = dict(child_env(), XREDUCE_ADDRESS=daemon.address, **QUIET)
+def fit(daemon, tmp_path, strategy: str, replicas: int, *flags: str, **environ: str) -> tuple[dict, list[np.ndarray]]:
+    """One job's fit event and weights (``environ``: more of the job's environment)."""
+    out = tmp_path / f"{strategy}-{replicas}-{abs(hash(flags))}-{abs(hash(tuple(environ.items())))}.npz"
+    env = dict(child_env(), XREDUCE_ADDRESS=daemon.address, **QUIET, **environ)
     proc = subprocess.run([sys.executable, "-m", "xreduce_bench.keras_job", "--strategy", strategy, "--replicas",
                            str(replicas), "--out", str(out), *flags], env=env, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT)
@@ -54,16 +54,21 @@ def bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 def test_two_replicas_train_to_tfs_weights_bit_for_bit(daemon, tmp_path, model):
     """One process, two logical CPUs: TF's HierarchicalCopyAllReduce, xreduce's in TF's MirroredStrategy and
     xreduce's MirroredStrategy give the same weights after 20 steps (and a partial last batch); the
-    embedding's gradients are IndexedSlices, concatenated as TF concatenates them."""
+    embedding's gradients are IndexedSlices, concatenated as TF concatenates them. The first xreduce job's
+    steps take xreduce's TF kernel (xreduce.tensorflow._kernel), the second's (the kernel off) the
+    tf.numpy_function bridge with a prepared batch in Python."""
     flags = ("--model", model, "--extra-rows", "37")
     tf_fit, tf_weights = fit(daemon, tmp_path, "tf-hcar", 2, *flags)
-    for strategy in ("xreduce-ops", "xreduce"):
-        event, weights = fit(daemon, tmp_path, strategy, 2, *flags)
+    for strategy, kernel in (("xreduce-ops", "1"), ("xreduce", "0")):
+        event, weights = fit(daemon, tmp_path, strategy, 2, *flags, XREDUCE_TF_KERNEL=kernel)
         assert event["event"] == "fit", event
         assert event["history"] == tf_fit["history"] and event["replicas"] == 2
         assert bitwise(weights, tf_weights)
         if model == "mlp":  # every step's all-reduce a prepared batch (xreduce._prepared); sparse ones are not
-            assert event["prepared_calls"] >= 21, event
+            calls = event["kernel_calls"] if kernel == "1" else event["prepared_calls"]
+            assert calls >= 21, event
+        if kernel == "0":
+            assert event["kernel_calls"] == 0, event
 
 
 def test_four_replicas_match_tf_once_grappler_keeps_its_order(daemon, tmp_path):

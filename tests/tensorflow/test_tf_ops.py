@@ -171,7 +171,8 @@ def test_indexed_slices_stay_sparse_and_are_tfs(daemon):
 
 
 def test_one_daemon_call_per_batch_of_gradients(daemon):
-    """A batch of ten tensors, traced once and run three times: three BatchReduce calls, not thirty."""
+    """A batch of ten tensors, traced once (which makes its prepared batch's first call, with zeros: the kernel's)
+    and run three times: three BatchReduce calls, not thirty."""
     _, strategy = strategies(daemon, 2)
 
     @tf.function
@@ -184,6 +185,7 @@ def test_one_daemon_call_per_batch_of_gradients(daemon):
             return sum(sum(m.calls_by_code.values()) for m in client.get_status().methods
                        if m.method.endswith("/BatchReduce"))
 
+        step.get_concrete_function()
         before = calls()
         for _ in range(3):
             step()
@@ -229,8 +231,10 @@ def test_an_xla_compiled_step_is_refused_with_what_to_do(daemon):
     assert "jit_compile=False" in XLA_MESSAGE
 
 
-def test_daemon_errors_are_tfs_error_classes_with_the_daemons_message(start_daemon):
-    """A strategy over four CPUs on a daemon of two: the daemon's NOT_FOUND, as tf.errors.NotFoundError."""
+def test_daemon_errors_are_tfs_error_classes_with_the_daemons_message(start_daemon, monkeypatch):
+    """A strategy over four CPUs on a daemon of two: the daemon's NOT_FOUND, as tf.errors.NotFoundError, eagerly
+    and from a traced step that takes xreduce's TF kernel (its prepared batch's first call, made as it is traced);
+    from one that takes the tf.numpy_function bridge, UNKNOWN with the SDK's class and message."""
     small = start_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "2")
     strategy = tf.distribute.MirroredStrategy(CPUS[:4], cross_device_ops=x_ops(small, "hcar"))
 
@@ -240,9 +244,12 @@ def test_daemon_errors_are_tfs_error_classes_with_the_daemons_message(start_daem
     missing = r"no device '/job:localhost/replica:0/task:0/device:CPU:2' on this daemon; its devices are CPU:0, CPU:1"
     with pytest.raises(tf.errors.NotFoundError, match=missing):
         strategy.run(step)
-    # From a graph TF keeps no error code of a Python exception but InvalidArgument's: UNKNOWN, with the SDK's.
-    where = r"NotFoundError: pairs\[0\].value.components\[2\].device: "
-    with pytest.raises(tf.errors.UnknownError, match=where + missing):
+    where = r"pairs\[0\].value.components\[2\].device: "
+    with pytest.raises(tf.errors.NotFoundError, match=where + missing):
+        tf.function(lambda: strategy.run(step))()
+    # From a tf.numpy_function TF keeps no error code of a Python exception but InvalidArgument's: UNKNOWN.
+    monkeypatch.setenv("XREDUCE_TF_KERNEL", "0")
+    with pytest.raises(tf.errors.UnknownError, match="NotFoundError: " + where + missing):
         tf.function(lambda: strategy.run(step))()
 
 

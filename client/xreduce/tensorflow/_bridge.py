@@ -36,9 +36,9 @@ from xreduce._values import Mirrored
 from xreduce.wire.contract import mean_dtype
 
 XLA_MESSAGE = (
-    "xreduce.tensorflow reduces through the xreduce daemon, a call XLA cannot compile (it runs as a "
-    "tf.numpy_function): run the step without XLA, e.g. model.compile(..., jit_compile=False) or "
-    "tf.function(jit_compile=False)"
+    "xreduce.tensorflow reduces through the xreduce daemon, a call XLA cannot compile (xreduce's TF "
+    "kernel or a tf.numpy_function, neither of which XLA has): run the step without XLA, e.g. "
+    "model.compile(..., jit_compile=False) or tf.function(jit_compile=False)"
 )
 
 _TF_ERRORS: dict[type, type] = {

@@ -12,7 +12,7 @@ process runs the same number of steps and no step needs a collective to agree on
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.distribute import input_lib, input_ops
+from tensorflow.python.data.experimental.ops import distribute as tf_distribute
 
 
 def shard(dataset: tf.data.Dataset, num_replicas: int, offset: int, local: int) -> tf.data.Dataset:
@@ -36,10 +36,11 @@ def shard(dataset: tf.data.Dataset, num_replicas: int, offset: int, local: int) 
     """
     if num_replicas == 1:
         return dataset
-    # TF's own steps for one worker of all the job's replicas: its rebatching, then its auto-shard rewrite
-    # (which, for one shard, turns a rebatch by the static batch size into ceil(rows / N) rows a replica).
-    rebatch = input_lib.DistributedDataset._make_rebatch_fn(None, dataset, 1, num_replicas)
-    minibatches = input_ops.auto_shard_dataset(rebatch(dataset, 0), 1, 0, num_replicas)
+    # What TF's own steps for one worker of all the job's replicas make: its rebatching (a `cond` between a rebatch
+    # by the static batch size and the legacy rebatch), then its auto-shard rewrite, which for one shard rewrites the
+    # first into the second: ceil(rows / N) rows a replica. Made directly, with no rewrite of the whole pipeline and
+    # no `cond` of datasets (the same minibatches).
+    minibatches = tf_distribute._LegacyRebatchDataset(dataset, num_replicas).prefetch(num_replicas)
     empty = _empty(minibatches.element_spec)
     steps = minibatches.window(num_replicas)
 

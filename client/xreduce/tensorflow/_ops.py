@@ -22,7 +22,7 @@ from xreduce import _ops as sdk
 from xreduce._options import ConnectionOptions
 from xreduce._prepared import PreparedBatch, Spec
 from xreduce._runtime import ProcessGroup
-from xreduce.tensorflow import _bridge
+from xreduce.tensorflow import _bridge, _kernel
 from xreduce.tensorflow._devices import local_name, sdk_name
 
 
@@ -42,6 +42,12 @@ class _DaemonOps:
     """What both classes share: the SDK's ops object they call, and TF's names mapped to the SDK's."""
 
     _sdk: sdk.CrossDeviceOps
+
+    def __init__(self):
+        self._kept: list[PreparedBatch] = []
+        """Prepared batches whose native part a traced step's kernel uses (:mod:`xreduce.tensorflow._kernel`):
+        their segments live as long as these ops."""
+        super().__init__()
 
     def _group(self) -> ProcessGroup | None:
         return self._sdk._group()
@@ -118,7 +124,13 @@ class _DaemonOps:
         inputs = [t for p in pairs for t in p.inputs()]
         outputs = [o for p in pairs for o in p.outputs(op)]
         name = "xreduce_reduce" if single else "xreduce_batch_reduce"
-        tensors = iter(_bridge.numpy_call(reduce, inputs, outputs, name))
+        made = None
+        if prepared is not None:
+            _bridge.refuse_xla()
+            made = _kernel.call(prepared, inputs, outputs, name)
+            if made is not None:
+                self._kept.append(prepared)  # its native segments live as long as the traced step may run
+        tensors = iter(made if made is not None else _bridge.numpy_call(reduce, inputs, outputs, name))
         results: list[Any] = [None] * len(given)
         for _, unpack, places in plan:
             for place, result in zip(places, unpack(tensors)):

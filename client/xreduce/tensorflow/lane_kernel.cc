@@ -1,0 +1,298 @@
+// XreduceLaneCall: a prepared batch's call (xreduce._prepared) made by a TF kernel, with no Python in the step.
+//
+// xreduce.tensorflow._kernel builds this file into a TF op library on first use (the C++ compiler and TF's own
+// headers and flags, tf.sysconfig) and prepares everything in Python once: the segments, registered with the
+// daemon; the request frame that names them; where each input goes and each result comes from. Each call then
+// copies the inputs into the staging segment, sends the same frame over a local-lane connection of its own, reads
+// the reply and copies the results out of the output segment into new tensors. The daemon serves the same bytes
+// as a kept repeat (xreduced.repeated). The frames are xreduce.wire.lane's: a 4-byte little-endian length, then
+// the body; a hello first; a reply's body is its status code (gRPC's numbers, which TF's are), whether the daemon
+// answered, then the response or the error message.
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::PartialTensorShape;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+constexpr uint32_t kMaxFrameBytes = 0x7fffffffu;
+
+std::atomic<int64_t> calls{0};  // calls answered with results, by every kernel of this process
+
+REGISTER_OP("XreduceLaneCall")
+    .Input("inputs: T")
+    .Output("outputs: U")
+    .Attr("T: list(type)")
+    .Attr("U: list(type)")
+    .Attr("output_shapes: list(shape)")
+    .Attr("address: string")  // the lane: unix:PATH or unix-abstract:NAME
+    .Attr("daemon: string")   // the daemon's address, for messages
+    .Attr("hello: string")    // the hello frame, its length in front
+    .Attr("request: string")  // the request frame, its length in front
+    .Attr("staging: string")  // segment names in /dev/shm, and their sizes
+    .Attr("staging_bytes: int")
+    .Attr("output: string")
+    .Attr("output_bytes: int")
+    .Attr("input_offsets: list(int)")
+    .Attr("output_offsets: list(int)")
+    .Attr("timeout: float")  // seconds a call may take
+    .SetIsStateful()
+    .SetIsDistributedCommunication()  // TF keeps its UNAVAILABLE and ABORTED (it makes them INTERNAL otherwise)
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      std::vector<PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(c->GetAttr("output_shapes", &shapes));
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        tensorflow::shape_inference::ShapeHandle shape;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &shape));
+        c->set_output(static_cast<int>(i), shape);
+      }
+      return absl::OkStatus();
+    });
+
+// A segment of /dev/shm mapped into this process (the kernel's own mapping: it stays valid when Python unlinks
+// the segment).
+struct Mapping {
+  char* data = nullptr;
+  size_t size = 0;
+
+  absl::Status Open(const std::string& name, size_t bytes) {
+    std::string path = "/dev/shm/" + name;
+    int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return absl::FailedPreconditionError("xreduce: cannot open the segment " + path + ": " + strerror(errno));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) return absl::FailedPreconditionError("xreduce: cannot map the segment " + path + ": " + strerror(err));
+    data = static_cast<char*>(p);
+    size = bytes;
+    return absl::OkStatus();
+  }
+
+  void Close() {
+    if (data != nullptr) munmap(data, size);
+    data = nullptr;
+  }
+};
+
+class LaneCallOp : public OpKernel {
+ public:
+  explicit LaneCallOp(OpKernelConstruction* c) : OpKernel(c) {
+    int64_t staging_bytes = 0, output_bytes = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("output_shapes", &shapes_));
+    OP_REQUIRES_OK(c, c->GetAttr("address", &address_));
+    OP_REQUIRES_OK(c, c->GetAttr("daemon", &daemon_));
+    OP_REQUIRES_OK(c, c->GetAttr("hello", &hello_));
+    OP_REQUIRES_OK(c, c->GetAttr("request", &request_));
+    OP_REQUIRES_OK(c, c->GetAttr("staging", &staging_name_));
+    OP_REQUIRES_OK(c, c->GetAttr("staging_bytes", &staging_bytes));
+    OP_REQUIRES_OK(c, c->GetAttr("output", &output_name_));
+    OP_REQUIRES_OK(c, c->GetAttr("output_bytes", &output_bytes));
+    OP_REQUIRES_OK(c, c->GetAttr("input_offsets", &input_offsets_));
+    OP_REQUIRES_OK(c, c->GetAttr("output_offsets", &output_offsets_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout", &timeout_));
+    staging_bytes_ = static_cast<size_t>(staging_bytes);
+    output_bytes_ = static_cast<size_t>(output_bytes);
+    OP_REQUIRES(c, input_offsets_.size() == static_cast<size_t>(c->num_inputs()),
+                absl::InvalidArgumentError("xreduce: input_offsets must name one offset per input"));
+    OP_REQUIRES(c, output_offsets_.size() == static_cast<size_t>(c->num_outputs()) &&
+                       shapes_.size() == static_cast<size_t>(c->num_outputs()),
+                absl::InvalidArgumentError("xreduce: output_offsets and output_shapes must name one per output"));
+  }
+
+  ~LaneCallOp() override {
+    Hangup();
+    staging_.Close();
+    output_.Close();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!gave_up_.ok()) {
+      ctx->SetStatus(gave_up_);
+      return;
+    }
+    if (staging_.data == nullptr) {
+      absl::Status s = staging_.Open(staging_name_, staging_bytes_);
+      if (s.ok()) s = output_.Open(output_name_, output_bytes_);
+      if (!s.ok()) {
+        staging_.Close();
+        ctx->SetStatus(s);
+        return;
+      }
+    }
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      auto bytes = ctx->input(i).tensor_data();
+      OP_REQUIRES(ctx, input_offsets_[i] >= 0 && input_offsets_[i] + bytes.size() <= staging_bytes_,
+                  absl::InvalidArgumentError("xreduce: input " + std::to_string(i) + " of " +
+                                             std::to_string(bytes.size()) + " bytes does not fit the staging segment"));
+      memcpy(staging_.data + input_offsets_[i], bytes.data(), bytes.size());
+    }
+    std::string reply;
+    absl::Status s = Exchange(&reply);
+    if (!s.ok()) {
+      // No answer: the daemon may still read the staging segment and write the output one, so this kernel
+      // gives them up for good (Python's prepared path does the same); a step traced again prepares new ones.
+      Hangup();
+      gave_up_ = absl::Status(s.code(), std::string(s.message()) +
+                                            " (this step's prepared all-reduce gave up its shared memory; later "
+                                            "calls of this traced step fail the same way)");
+      ctx->SetStatus(s);
+      return;
+    }
+    int code = static_cast<unsigned char>(reply[0]);
+    if (code != 0) {
+      ctx->SetStatus(absl::Status(static_cast<absl::StatusCode>(code), reply.substr(2)));
+      return;
+    }
+    for (int i = 0; i < ctx->num_outputs(); ++i) {
+      TensorShape shape;
+      OP_REQUIRES(ctx, shapes_[i].AsTensorShape(&shape),
+                  absl::InvalidArgumentError("xreduce: output_shapes must be fully defined"));
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &out));
+      auto bytes = out->tensor_data();
+      OP_REQUIRES(ctx, output_offsets_[i] >= 0 && output_offsets_[i] + bytes.size() <= output_bytes_,
+                  absl::InternalError("xreduce: output " + std::to_string(i) + " lies outside the output segment"));
+      memcpy(const_cast<char*>(bytes.data()), output_.data + output_offsets_[i], bytes.size());
+    }
+    calls.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  std::string Where() const { return "xreduce daemon at " + daemon_ + " (local lane " + address_ + ")"; }
+
+  absl::Status Broke(const std::string& what) const {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return absl::DeadlineExceededError("BatchReduce to the " + Where() + " got no answer within " +
+                                         std::to_string(timeout_) + "s");
+    }
+    return absl::UnavailableError(Where() + " is unavailable: " + what + " (" + strerror(errno) + ")");
+  }
+
+  absl::Status Connect() {
+    fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd_ < 0) return Broke("no socket");
+    struct timeval tv;
+    double seconds = timeout_ > 0 ? timeout_ : 3600.0;
+    tv.tv_sec = static_cast<time_t>(seconds);
+    tv.tv_usec = static_cast<suseconds_t>((seconds - std::floor(seconds)) * 1e6);
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof(addr));
+    addr.sun_family = AF_UNIX;
+    socklen_t len;
+    const std::string abstract = "unix-abstract:", path = "unix:";
+    if (address_.compare(0, abstract.size(), abstract) == 0) {
+      std::string name = address_.substr(abstract.size());
+      if (name.size() + 1 > sizeof(addr.sun_path)) return absl::InvalidArgumentError("xreduce: lane name too long");
+      memcpy(addr.sun_path + 1, name.data(), name.size());
+      len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 + name.size());
+    } else if (address_.compare(0, path.size(), path) == 0) {
+      std::string name = address_.substr(path.size());
+      if (name.size() + 1 > sizeof(addr.sun_path)) return absl::InvalidArgumentError("xreduce: lane path too long");
+      memcpy(addr.sun_path, name.data(), name.size());
+      len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + name.size() + 1);
+    } else {
+      return absl::InvalidArgumentError("xreduce: address must be unix:PATH or unix-abstract:NAME; got " + address_);
+    }
+    if (connect(fd_, reinterpret_cast<struct sockaddr*>(&addr), len) != 0) return Broke("cannot connect");
+    std::string reply;
+    TF_RETURN_IF_ERROR(Send(hello_, "sending the hello"));
+    TF_RETURN_IF_ERROR(Receive(&reply));
+    if (reply[0] != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(static_cast<unsigned char>(reply[0])),
+                          Where() + " refused the connection: " + reply.substr(2));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Exchange(std::string* reply) {
+    if (fd_ < 0) TF_RETURN_IF_ERROR(Connect());
+    TF_RETURN_IF_ERROR(Send(request_, "it broke during BatchReduce"));
+    return Receive(reply);
+  }
+
+  absl::Status Send(const std::string& data, const char* what) {
+    size_t sent = 0;
+    while (sent < data.size()) {
+      ssize_t n = send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Broke(what);
+      sent += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReceiveAll(char* data, size_t size) {
+    size_t got = 0;
+    while (got < size) {
+      ssize_t n = recv(fd_, data + got, size - got, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) {
+        errno = ECONNRESET;
+        return Broke("the daemon closed the connection");
+      }
+      if (n < 0) return Broke("it broke during BatchReduce");
+      got += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Receive(std::string* body) {
+    unsigned char length[4];
+    TF_RETURN_IF_ERROR(ReceiveAll(reinterpret_cast<char*>(length), sizeof(length)));
+    uint32_t n = length[0] | (length[1] << 8) | (length[2] << 16) | (static_cast<uint32_t>(length[3]) << 24);
+    if (n < 2 || n > kMaxFrameBytes) {
+      return absl::UnavailableError(Where() + " sent a reply frame of " + std::to_string(n) + " bytes");
+    }
+    body->resize(n);
+    return ReceiveAll(&(*body)[0], n);
+  }
+
+  void Hangup() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+  std::mutex mu_;
+  std::vector<PartialTensorShape> shapes_;
+  std::string address_, daemon_, hello_, request_, staging_name_, output_name_;
+  size_t staging_bytes_ = 0, output_bytes_ = 0;
+  std::vector<int64_t> input_offsets_, output_offsets_;
+  float timeout_ = 0;
+  int fd_ = -1;
+  Mapping staging_, output_;
+  absl::Status gave_up_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("XreduceLaneCall").Device(tensorflow::DEVICE_CPU), LaneCallOp);
+
+}  // namespace
+
+// The calls this process's kernels made that the daemon answered with results (read through ctypes).
+extern "C" int64_t xreduce_lane_kernel_calls() { return calls.load(std::memory_order_relaxed); }

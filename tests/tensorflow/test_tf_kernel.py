@@ -1,0 +1,143 @@
+"""xreduce's TF kernel (``xreduce.tensorflow._kernel``, ``lane_kernel.cc``): a traced step's prepared batch sent
+from inside the graph, against real daemons, in this process's TensorFlow (eight logical CPUs).
+
+It is built from source by the machine's C++ compiler (tests/tensorflow/conftest.py installs one where there is
+none) into a cache of this test's own, so the build itself is tested too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from children import child_env
+from tf_env import QUIET, logical_cpus
+
+tf = logical_cpus()
+import xreduce  # noqa: E402
+import xreduce.tensorflow  # noqa: E402
+from xreduce.tensorflow import _kernel  # noqa: E402
+
+CPUS = [f"/cpu:{i}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def daemon(start_module_daemon):
+    return start_module_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "8")
+
+
+def step_of(strategy, values, op="SUM", options=None):
+    """A traced step: each replica's ``values(replica)`` all-reduced as one batch."""
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce(op, values(tf.cast(ctx.replica_id_in_sync_group, tf.float64)), options=options)
+
+        return strategy.run(fn)
+
+    return step
+
+
+def batch(replica):
+    """Three gradients of two dtypes, different in every replica, exact in float64 and int64."""
+    return [tf.reshape(tf.range(12, dtype=tf.float64), (3, 4)) * (replica + 1),
+            tf.cast(tf.range(5, dtype=tf.float64) * (replica + 2), tf.int64),
+            tf.fill([7], replica + 0.5)]
+
+
+def test_the_traced_batch_takes_the_kernel_and_gives_the_exact_sums(daemon):
+    """Four replicas, SUM and MEAN, for several steps: the kernel's calls, the daemon's numbers, the tensors' dtypes
+    and shapes as the step declared them."""
+    ops = xreduce.tensorflow.HierarchicalCopyAllReduce(address=daemon.address)
+    strategy = tf.distribute.MirroredStrategy(CPUS[:4], cross_device_ops=ops)
+    for op in ("SUM", "MEAN"):
+        step = step_of(strategy, batch, op)
+        before = _kernel.calls()
+        for _ in range(3):
+            out = step()
+        assert _kernel.calls() - before == 3
+        got = [v.values[0].numpy() for v in out]
+        each = [[t.numpy() for t in batch(tf.constant(float(r), tf.float64))] for r in range(4)]
+        want = [sum(replicas) for replicas in zip(*each)]
+        if op == "MEAN":
+            want = [w / 4 for w in want]
+        assert [g.dtype for g in got] == [np.float64, np.float64 if op == "MEAN" else np.int64, np.float64]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert len(ops._kept) == 2  # one prepared batch a traced step, its segments kept with the ops
+
+
+def test_the_kernel_keeps_the_daemons_error_code(start_daemon):
+    """A daemon that stops: the traced step fails with tf.errors.UnavailableError naming it (not the UNKNOWN a
+    Python function's error becomes), and fails so again (the kernel gave its shared memory up)."""
+    own = start_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "2")
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce(
+        address=own.address))
+    step = step_of(strategy, lambda r: [tf.fill([3], r)])
+    assert step()[0].values[0].numpy().tolist() == [1.0] * 3
+    own.terminate(signal.SIGKILL)
+    for _ in range(2):
+        with pytest.raises(tf.errors.UnavailableError, match=f"xreduce daemon at {own.address} .*local lane"):
+            step()
+
+
+def test_a_daemon_that_does_not_answer_is_a_deadline_exceeded_within_the_timeout(start_daemon):
+    """CommunicationOptions(timeout_seconds=1) on a stopped (SIGSTOP) daemon: DeadlineExceededError, in time."""
+    own = start_daemon("--listen", "127.0.0.1:0", "--backend", "numpy", "--virtual-devices", "2")
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce(
+        address=own.address))
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=1.0)
+    step = step_of(strategy, lambda r: [tf.fill([3], r)], options=options)
+    step()
+    os.kill(own.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(tf.errors.DeadlineExceededError, match="got no answer within"):
+            step()
+        assert time.monotonic() - start < 30  # the bound, with room for a busy machine
+    finally:
+        os.kill(own.proc.pid, signal.SIGCONT)
+
+
+def test_without_a_compiler_a_warning_says_so_and_the_bridge_gives_the_same_numbers(daemon, tmp_path):
+    """A fresh cache and no compiler: the step takes the tf.numpy_function bridge, after one warning."""
+    script = (
+        "import os, warnings, tensorflow as tf\n"
+        "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+        "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+        "import xreduce.tensorflow\n"
+        "from xreduce.tensorflow import _kernel\n"
+        "s = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'],\n"
+        "    cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce())\n"
+        "def fn():\n"
+        "    ctx = tf.distribute.get_replica_context()\n"
+        "    return ctx.all_reduce('SUM', tf.fill([2], tf.cast(ctx.replica_id_in_sync_group, tf.float32)))\n"
+        "step = tf.function(lambda: s.run(fn))\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(step().values[0].numpy().tolist(), step().values[1].numpy().tolist(), _kernel.calls())\n"
+        "print([str(w.message) for w in caught if 'kernel' in str(w.message)])\n")
+    env = dict(child_env(), XREDUCE_ADDRESS=daemon.address, XREDUCE_CACHE_DIR=str(tmp_path), CXX="false", **QUIET)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    numbers, warned = done.stdout.splitlines()[-2:]
+    assert numbers == "[1.0, 1.0] [1.0, 1.0] 0"
+    assert "takes the tf.numpy_function bridge, not xreduce's TF kernel" in warned and "could not build" in warned
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_kernel_is_built_once_into_its_cache(tmp_path, monkeypatch):
+    """Built into XREDUCE_CACHE_DIR under a name of TF's version and the source's hash; found there again."""
+    monkeypatch.setenv("XREDUCE_CACHE_DIR", str(tmp_path))
+    built = _kernel.build()
+    assert built.parent == tmp_path and f"tf{tf.__version__}" in built.name
+    mtime = built.stat().st_mtime_ns
+    assert _kernel.build() == built and built.stat().st_mtime_ns == mtime
+    assert not list(tmp_path.glob("*.part"))
