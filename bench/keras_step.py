@@ -113,8 +113,8 @@ def main() -> int:
                    help="comparison 1: xreduce and TF's own timed in turn this many times in each round's process")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-kernel", action="store_true",
-                   help="XREDUCE_TF_KERNEL=0: one process's steps take the tf.numpy_function bridge, not xreduce's TF "
-                        "kernel")
+                   help="XREDUCE_TF_KERNEL=0: the steps (one process's, a group's) take the tf.numpy_function "
+                        "bridge, not xreduce's TF kernel")
     args = p.parse_args()
     # PYTHONFAULTHANDLER: a process that dies of a signal (TF's SIGSEGV between fits, docs/benchmarks.md) prints where.
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1",

@@ -28,6 +28,8 @@ Steps (``op`` and its fields; ``seed`` and friends define the data, see :func:`m
 * ``reduce``: all-reduce of one tensor (``dtype``, ``shape``, ``reduce_op``, ``num_packs``,
   ``seed``, optional ``timeout``, optional ``nbytes`` for a large float32 tensor);
 * ``batch_reduce``: ``tensors`` = [{``dtype``, ``shape``}], ``reduce_op``, ``num_packs``, ``seed``;
+* ``prepared``: the same through a prepared batch (``xreduce._prepared``), kept under ``name``, called once
+  per seed of ``seeds``;
 * ``broadcast``: process 0 sends :func:`make_array` (``seed``, ``dtype``, ``shape``) to every
   process's local devices, the others pass None;
 * ``strategy_run_reduce`` / ``strategy_values_reduce``: ``MirroredStrategy`` replicas produce
@@ -174,6 +176,31 @@ class Worker:
         self._calling(step)
         out = ops.batch_reduce(step.get("reduce_op", "sum"), [(v, v) for v in values], options=self._options(step))
         return [_encode_result(r, self._only_device()) for r in out]
+
+    def prepared(self, step):
+        """A prepared batch (``xreduce._prepared``) of ``tensors``, made at its first step of this ``name`` and
+        kept: called once per seed of ``seeds``; its results per seed, and how many calls took the prepared
+        path so far."""
+        import numpy as np
+        from xreduce._prepared import PreparedBatch, Spec
+        from xreduce.distribute import HierarchicalCopyAllReduce
+
+        group = self._group()
+        kept = self.__dict__.setdefault("_prepared", {})
+        batch = kept.get(step.get("name", ""))
+        if batch is None:
+            ops = HierarchicalCopyAllReduce(num_packs=step.get("num_packs", 1))
+            specs = [Spec(group.local_devices, group.local_devices, np.dtype(t["dtype"]), tuple(t["shape"]))
+                     for t in step["tensors"]]
+            batch = kept[step.get("name", "")] = PreparedBatch(ops, step.get("reduce_op", "sum"), specs,
+                                                               step.get("timeout"))
+        out = []
+        for seed in step["seeds"]:
+            arrays = [a for t, spec in enumerate(step["tensors"])
+                      for a in self._per_replica(seed, t, spec["dtype"], spec["shape"]).values]
+            self._calling(step)
+            out.append([_encode_result(r, group.local_devices[0]) for r in batch(arrays)])
+        return {"results": out, "fast_calls": batch.fast_calls}
 
     def broadcast(self, step):
         from xreduce.distribute import HierarchicalCopyAllReduce

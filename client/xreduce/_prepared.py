@@ -5,18 +5,20 @@ same dtypes, shapes, devices and destinations, new bytes. Through
 ``batch_reduce`` each call is checked, named, fused, staged, encoded and its
 reply decoded again, about half a millisecond of Python in the caller for a
 reduction of a few hundred microseconds. :class:`PreparedBatch` does that work
-once. In one process (no multi-process group) whose daemon shares its host and
-offers a local lane, it keeps a staging segment and an output segment
-registered with the daemon, and the serialized request that names them (the
-pairs of one kind, devices, destinations and dtype, fused into one value: each
-replica's arrays back to back, so the daemon sums one flat tensor); each call
-copies the arrays into the staging segment, sends the same bytes over the lane,
-and returns views of the output segment, which is reused once they are all gone
-(a few are kept, :data:`MAX_SLOTS`, for results still in use). The daemon
-serves those bytes as a kept repeat (:mod:`xreduced.repeated`).
+once. In a process whose daemon shares its host and offers a local lane (alone,
+or in a multi-process group of that one daemon), it keeps a staging segment and
+an output segment registered with the daemon, and the serialized request that
+names them (the pairs of one kind, devices, destinations and dtype, fused into
+one value: each replica's arrays back to back, so the daemon sums one flat
+tensor); each call copies the arrays into the staging segment, sends the same
+bytes over the lane (in a group, with the collective's spec and its next
+sequence number appended), and returns views of the output segment, which is
+reused once they are all gone (a few are kept, :data:`MAX_SLOTS`, for results
+still in use). The daemon serves those bytes as a kept repeat
+(:mod:`xreduced.repeated`; a group's, once every process has sent its share).
 
 Anything else takes ``batch_reduce`` (the same numbers: the daemon reduces both
-alike): a group, the ``wire`` transport, no lane or no shared memory, another
+alike): a group across nodes, the ``wire`` transport, no lane or no shared memory, another
 thread's call in progress, a session that ended (the next call prepares again).
 A call that got no answer (a timeout, a broken lane) gives its segments up (the
 daemon may still use them); one the daemon refused keeps them.
@@ -37,6 +39,7 @@ from xreduce._errors import XReduceError
 from xreduce._job_devices import reduce_to, to_daemon
 from xreduce._lane import Lane, Refused
 from xreduce._ops import CommunicationOptions, ReduceOp
+from xreduce._runtime import ProcessGroup
 from xreduce._segments import Segment
 from xreduce._shared_memory import SharedMemory
 from xreduce._values import Mirrored, PerReplica
@@ -163,21 +166,22 @@ class PreparedBatch:
         """The prepared path for this call, made (again) if needed; None when the call is to take
         ``batch_reduce``."""
         fast = self._fast
-        if self._ops._group() is not None:
+        group = self._ops._group()
+        if group is not None and group.num_nodes > 1:
             return None
         client = self._ops.client
         lane = client.local_lane()
         if lane is None:
             return None
         if fast is not None:
-            if fast.lane is lane and lane.usable():
+            if fast.lane is lane and lane.usable() and fast.group is group:
                 return fast
             self._drop()
         shm = client.shared_memory()
         if shm is None:
             return None
         try:
-            fast = _Fast(shm, lane, self._request(), self._deadline(client.timeout))
+            fast = _Fast(shm, lane, self._request(group), self._deadline(client.timeout), group, client)
         except OSError:  # no room in /dev/shm: batch_reduce falls back as it can
             return None
         self._fast = self._holder[0] = fast
@@ -186,16 +190,17 @@ class PreparedBatch:
     def _deadline(self, default: float) -> float:
         return default if self._timeout is None else self._timeout + _transports.DEADLINE_SLACK_SECONDS
 
-    def _request(self) -> _Layout:
+    def _request(self, group: ProcessGroup | None) -> _Layout:
         """The request and where everything goes (:func:`_layout`), with this ops' algorithm (packing aside where
-        the dtypes differ: the values of one kind are fused already, and a pack holds one dtype)."""
+        the dtypes differ: the values of one kind are fused already, and a pack holds one dtype); in ``group``,
+        without its collective, which each call adds (:meth:`_Fast.body`)."""
         algorithm = self._ops._algorithm()
         if algorithm.num_packs and len({s.dtype for s in self.specs}) > 1:
             algorithm = dataclasses.replace(algorithm, num_packs=0)
         if algorithm.reduce_to_device:
-            algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device, None))
+            algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device, group))
         return _layout(pb.BatchReduceRequest(**_transports._fields(ReduceCall(self.op, (), algorithm, self._timeout))),
-                       self.specs)
+                       self.specs, group)
 
     def _drop(self, failed: bool = False) -> None:
         fast, self._fast, self._holder[0] = self._fast, None, None
@@ -226,19 +231,20 @@ class PreparedBatch:
             ((0, 64), (dtype('float32'), (2, 3)), b'XRL1')
         """
         with self._lock:
-            if self._native is None and self._ops._group() is None:
-                self._native = self._make_native()
+            group = self._ops._group()
+            if self._native is None and (group is None or group.num_nodes == 1):
+                self._native = self._make_native(group)
             return self._native
 
-    def _make_native(self) -> Native | None:
+    def _make_native(self, group: ProcessGroup | None) -> Native | None:
         client = self._ops.client
         lane = client.local_lane()
         shm = client.shared_memory() if lane is not None else None
         if shm is None:
             return None
-        layout = self._request()
+        layout = self._request(group)
         try:
-            fast = _Fast(shm, lane, layout, self._deadline(client.timeout))
+            fast = _Fast(shm, lane, layout, self._deadline(client.timeout), group, client)
             slot = fast._slot()
         except OSError:
             return None
@@ -246,16 +252,21 @@ class PreparedBatch:
         slot.free = False  # the kernel's for good
         fast.stage.base[:] = 0
         try:
-            places = _placed(lane.exchange("BatchReduce", slot.body, fast.timeout), slot.seg, fast._parts)
+            places = _placed(fast.send(slot), slot.seg, fast._parts)
         except BaseException:  # refused, no answer, or a reply that placed nothing here
             self._holder[1] = None
             fast.give_up()
             raise
+        collective = b""
+        if group is not None:
+            collective = pb.CollectiveSpec(group=group.group, num_processes=group.num_processes,
+                                           process_id=group.process_id, epoch=group.epoch).SerializeToString()
         return Native(address=lane.address, daemon=client.address, hello=lane.hello,
                       request=frames.request("BatchReduce", fast.timeout, slot.body), staging=fast.stage.name,
                       staging_bytes=fast.stage.size, output=slot.seg.name, output_bytes=slot.seg.size,
                       input_offsets=tuple(at for at, _, _ in layout.inputs),
-                      outputs=tuple((at, dtype, shape) for at, _, dtype, shape in places), timeout=fast.timeout)
+                      outputs=tuple((at, dtype, shape) for at, _, dtype, shape in places), timeout=fast.timeout,
+                      group=group, collective=collective)
 
     def close(self) -> None:
         """Gives the segments back (a later call prepares again); the native part's are unlinked."""
@@ -296,6 +307,11 @@ class Native:
     """Each spec's result in the output segment: (offset, dtype, shape)."""
     timeout: float
     """Seconds a call may take, the daemon's answer included."""
+    group: ProcessGroup | None = None
+    """The multi-process group whose collective each call is, or None: then :attr:`request` is the whole call."""
+    collective: bytes = b""
+    """In a group, its ``CollectiveSpec`` serialized without a sequence number: each call appends it to the
+    request as field :data:`COLLECTIVE_FIELD` with the group's next sequence number."""
 
 
 @dataclasses.dataclass
@@ -312,10 +328,12 @@ class _Layout:
     """Each spec's (pair of the request, first element in that pair's flat value, shape)."""
 
 
-def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
+def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: ProcessGroup | None = None) -> _Layout:
     """``request`` (its op and options set) filled in: the specs of one kind (devices, destinations, dtype) as one
     pair whose value is *fused* (each replica's arrays back to back, one flat tensor, ``fused_parts`` naming
-    them), a spec alone as its own pair; each replica's tensor at an aligned offset of the staging segment.
+    them), a spec alone as its own pair; each replica's tensor at an aligned offset of the staging segment. In a
+    ``group``, one pair per spec, as ``batch_reduce`` sends them: a process whose call takes ``batch_reduce``
+    (its lane cannot be had, its output segments are all in use) still matches the others'.
 
     Example:
         >>> f32 = np.dtype("float32")
@@ -328,7 +346,7 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
     """
     groups: dict[tuple, list[int]] = {}
     for k, s in enumerate(specs):
-        groups.setdefault((s.devices, s.destinations, s.dtype), []).append(k)
+        groups.setdefault((s.devices, s.destinations, s.dtype, k if group is not None else None), []).append(k)
     mean = request.reduce_op == pb.REDUCE_OP_MEAN
     inputs: list = [None] * sum(len(s.devices) for s in specs)
     first = [0]
@@ -336,9 +354,9 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
         first.append(first[-1] + len(s.devices))
     parts: list = [None] * len(specs)
     results, at = [], 0
-    for g, ((devices, destinations, dtype), members) in enumerate(groups.items()):
+    for g, ((devices, destinations, dtype, _), members) in enumerate(groups.items()):
         pair = request.pairs.add()
-        pair.destinations.extend(to_daemon(d, None, f"specs[{members[0]}].destinations[{i}]")
+        pair.destinations.extend(to_daemon(d, group, f"specs[{members[0]}].destinations[{i}]")
                                  for i, d in enumerate(destinations))
         elements, start = 0, []
         for k in members:
@@ -350,7 +368,7 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
             pair.value.fused_parts.extend(pb.FusedPart(shape=specs[k].shape, index=k) for k in members)
         for r, d in enumerate(devices):
             at += -at % OUTPUT_ALIGNMENT
-            component = pair.value.components.add(device=to_daemon(d, None, f"specs[{members[0]}].devices[{r}]"))
+            component = pair.value.components.add(device=to_daemon(d, group, f"specs[{members[0]}].devices[{r}]"))
             component.tensor.dtype = codec.dtype_enum(dtype)
             component.tensor.shape.extend(shape)
             component.tensor.region.offset, component.tensor.region.byte_size = at, elements * dtype.itemsize
@@ -360,6 +378,15 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec]) -> _Layout:
         results.append((len(destinations), mean_dtype(dtype) if mean else dtype, shape))
     return _Layout(request, inputs, max(at, 1), max(output_layout(results).nbytes, 1), parts)
 
+
+COLLECTIVE_FIELD = pb.BatchReduceRequest.DESCRIPTOR.fields_by_name["collective"].number
+"""The ``BatchReduceRequest`` field a group's call appends its ``CollectiveSpec`` as (a field appended to a
+serialized message sets it).
+
+Example:
+    >>> COLLECTIVE_FIELD
+    7
+"""
 
 MAX_SLOTS = 3
 """Output segments a prepared batch keeps at most: results are views of one, which is reused once they are all
@@ -394,8 +421,10 @@ class _Slot:
 class _Fast:
     """The prepared path of one session: the staging segment, the output segments (:class:`_Slot`), the request."""
 
-    def __init__(self, shm: SharedMemory, lane: Lane, layout: _Layout, timeout: float):
+    def __init__(self, shm: SharedMemory, lane: Lane, layout: _Layout, timeout: float,
+                 group: ProcessGroup | None = None, client=None):
         self.shm, self.lane, self.timeout = shm, lane, timeout
+        self.group, self._client = group, client
         self._out_bytes = layout.out_bytes
         self._parts = layout.parts
         self.stage: Segment | None = shm.segment(layout.stage_bytes, output=False)
@@ -427,7 +456,7 @@ class _Fast:
             np.copyto(view, a)
         slot.free = False  # the daemon writes there from now on, even if no answer comes
         try:
-            payload = self.lane.exchange("BatchReduce", slot.body, self.timeout)
+            payload = self.send(slot)
             if payload != slot.reply:
                 slot.places = _placed(payload, slot.seg, self._parts)
                 slot.reply = payload
@@ -440,6 +469,25 @@ class _Fast:
         hold = np.frombuffer(slot.seg.mm, np.uint8, slot.seg.size)  # every result is a view of it
         weakref.finalize(hold, slot.released)
         return [hold[at:at + nbytes].view(dtype).reshape(shape) for at, nbytes, dtype, shape in slot.places]
+
+    def send(self, slot: _Slot) -> bytes:
+        """Sends ``slot``'s request over the lane and returns the reply's bytes; in a group, as its next collective
+        (:func:`xreduce._transports.collective`: abandoned for every process if this side fails before the daemon
+        answers), over gRPC if the lane cannot be had (its number is taken).
+
+        Raises:
+            Refused: no group, and the lane cannot be had (nothing was sent).
+            xreduce.XReduceError: what the daemon answered, or no answer.
+        """
+        if self.group is None:
+            return self.lane.exchange("BatchReduce", slot.body, self.timeout)
+        with _transports.collective(self._client, self.group) as spec:
+            body = slot.body + pb.BatchReduceRequest(collective=spec).SerializeToString()
+            try:
+                return self.lane.exchange("BatchReduce", body, self.timeout)
+            except Refused:
+                return self._client.batch_reduce(pb.BatchReduceRequest.FromString(body), self.timeout,
+                                                 session=self.lane.session_id).SerializeToString()
 
     def close(self, failed: bool = False) -> None:
         """Gives the segments back to their pools (``failed``: unlinks them, the daemon may still use them); an

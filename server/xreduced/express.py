@@ -147,11 +147,13 @@ class Express:
         with self._lock:
             return len(self._pending)
 
-    def offer(self, connection, method: str, incoming, timeout: float | None, now: float
-              ) -> tuple[list[tuple[Arrival, bytes]], list[Arrival]] | None:
+    def offer(self, connection, method: str, incoming, timeout: float | None, now: float, held: Any = None,
+              key: bytes | None = None) -> tuple[list[tuple[Arrival, bytes]], list[Arrival]] | None:
         """Takes a call of the lane's thread if it may go express: None when it may not (the full path serves
         it), else (the replies now due, each with its call; the calls to hand over to the full path, this one
         among them or not). The lane sends those replies with :meth:`answered` and serves the handed calls.
+        ``held`` (a :class:`~xreduced.repeated.Held`, under ``key``) offers it as a group's repeat, whatever its
+        shape.
         """
         message = incoming.message
         if not message.HasField("collective"):
@@ -159,8 +161,11 @@ class Express:
         spec = message.collective
         if spec.num_processes < 2 or spec.sequence < 0:
             return None
-        shape = shape_of(message, incoming.size)
-        prepared = None if shape is None else self._known(shape)
+        if held is not None:
+            shape, prepared = key, held
+        else:
+            shape = shape_of(message, incoming.size)
+            prepared = None if shape is None else self._known(shape)
         if prepared is None:
             return None
         key = CollectiveKey.of(spec)

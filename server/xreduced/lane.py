@@ -56,6 +56,7 @@ import grpc
 from xreduce.wire import lane as frames
 from xreduce.wire.contract import SESSION_METADATA, method_path
 
+from xreduced import repeated
 from xreduced.deferred import Deferred
 from xreduced.errors import PermissionDenied
 from xreduced.express import Express
@@ -613,6 +614,15 @@ class LocalLane:
                 continue
             incoming = handler.request_deserializer(request)
             connection.busy = True
+            message = getattr(incoming, "message", None)
+            if method != "Broadcast" and message is not None and message.HasField("collective") and \
+                    message.HasField("output"):
+                request = repeated.collective_key(message)  # a group's repeats differ in the sequence alone
+                held = connection.group_repeats.get(request) if self.express is not None else None
+                if held is not None and held[0].region_bytes <= INLINE_REGION_BYTES and self._express(
+                        connection, method, incoming, timeout,
+                        repeated.Held(held[0], held[1], connection.session_id), request):
+                    continue
             if _inline(method, incoming, self._host_region_bytes(connection)):
                 if self.express is None or not self._express(connection, method, incoming, timeout):
                     self._call(connection, method, handler, incoming, timeout, defers=True, request=request)
@@ -672,10 +682,11 @@ class LocalLane:
         self._call(connection, method, handler, handler.request_deserializer(request), timeout, defers=False,
                    request=request)
 
-    def _express(self, connection: _Connection, method: str, incoming, timeout: float | None) -> bool:
-        """Offers the call to the express lane: False when the full path is to serve it; else the replies it
-        completed are sent and the calls it handed over served."""
-        taken = self.express.offer(connection, method, incoming, timeout, time.monotonic())
+    def _express(self, connection: _Connection, method: str, incoming, timeout: float | None,
+                 held: repeated.Held | None = None, key: bytes | None = None) -> bool:
+        """Offers the call to the express lane (``held``: as a group's repeat, under ``key``): False when the full
+        path is to serve it; else the replies it completed are sent and the calls it handed over served."""
+        taken = self.express.offer(connection, method, incoming, timeout, time.monotonic(), held, key)
         if taken is None:
             return False
         replies, handed = taken
@@ -711,11 +722,18 @@ class LocalLane:
         except Exception as e:
             self._answer(connection, context, method, None, e)
         else:
+            repeats = connection.group_repeats if _collective(incoming) else connection.repeats
             if context.repeat is not None and isinstance(data, bytes):
-                connection.repeats.keep(request, context.repeat, data)
+                repeats.keep(request, context.repeat, data)
             if isinstance(data, Deferred):
                 connection.waiting = data
-                data.on_done(lambda value, error: self._answer(connection, context, method, value, error))
+
+                def done(value, error):
+                    if error is None and context.repeat is not None and isinstance(value, bytes):
+                        repeats.keep(request, context.repeat, value)
+                    self._answer(connection, context, method, value, error)
+
+                data.on_done(done)
             else:
                 self._answer(connection, context, method, data, None)
 
@@ -751,6 +769,9 @@ class _Connection(LaneConnection):
         """The call that waits in a collective, deferred."""
         self.repeats = Repeats()
         """The requests this connection sent that the lane serves again as kept repeats."""
+        self.group_repeats = Repeats()
+        """The collectives this connection sent that the express lane serves again as kept repeats, under their
+        bytes but for the sequence number (:func:`xreduced.repeated.collective_key`)."""
 
 
 def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> bool:
@@ -771,6 +792,12 @@ def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> 
         return True
     nbytes = host_bytes(slices)
     return nbytes is not None and nbytes <= INLINE_REGION_BYTES
+
+
+def _collective(incoming) -> bool:
+    """Whether a call's request names a collective."""
+    message = getattr(incoming, "message", None)
+    return message is not None and message.HasField("collective")
 
 
 def _reply_frame(error: BaseException, context: LaneContext, peer: str, method: str) -> bytes:

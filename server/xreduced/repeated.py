@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections import OrderedDict
@@ -122,6 +123,18 @@ class Repeat:
             Stale: a region is not the one validated (unregistered, registered again, the session ended).
             Whatever the region checks or the engine raise (the full path then answers the call).
         """
+        with self.views(pin, unpin) as (pairs, outs):
+            reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm, reduce_to=self.reduce_to,
+                   deadline=self.deadline(call_seconds), dest_fields=list(self.dest_fields), out=outs)
+
+    @contextlib.contextmanager
+    def views(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None]):
+        """The request's (value, destinations) pairs and output slots as views of its regions' current bytes,
+        the regions pinned (``pin``, ``unpin`` as :meth:`run` takes them) while the ``with`` block runs.
+
+        Raises:
+            Stale: a region is not the one validated; or what the region checks raise.
+        """
         names = [name for name, _ in self.regions]
         regions = pin(names)
         if regions is None:
@@ -139,10 +152,48 @@ class Repeat:
                 arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
                 pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
                 outs.append({d: by_name[o.region].view(o.offset, o.dtype, o.shape) for d, o in p.outputs})
-            reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm, reduce_to=self.reduce_to,
-                   deadline=self.deadline(call_seconds), dest_fields=list(self.dest_fields), out=outs)
+            yield pairs, outs
         finally:
             unpin(regions)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """One process's share of a collective that its lane connection sent before but for the sequence number
+    (:func:`collective_key`): its kept :class:`Repeat`, the reply the full path sent, and the caller's session.
+    The express lane holds it until every process of the collective has come so (:mod:`xreduced.express`).
+
+    Example:
+        >>> Held("repeat", b"reply", "s1").session_id
+        's1'
+    """
+
+    repeat: Repeat
+    reply: bytes
+    session_id: str
+
+
+def collective_key(message) -> bytes:
+    """A collective request's bytes with its ``collective.sequence`` cleared: what a training step's calls in a
+    group have in common (each has the next sequence number). Under it a lane connection keeps its group's
+    repeats (:class:`Held`).
+
+    Example:
+        >>> from xreduce.v1 import xreduce_pb2 as pb
+        >>> def request(sequence):
+        ...     return pb.ReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, sequence=sequence))
+        >>> collective_key(request(3)) == collective_key(request(4)) != collective_key(pb.ReduceRequest())
+        True
+    """
+    if not message.HasField("collective"):
+        return message.SerializeToString(deterministic=True)
+    spec = message.collective
+    sequence = spec.sequence
+    spec.ClearField("sequence")
+    try:
+        return message.SerializeToString(deterministic=True)
+    finally:
+        spec.sequence = sequence
 
 
 def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to: int | None,

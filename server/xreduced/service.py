@@ -292,6 +292,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
             replies = service.express("Reduce", 'collective 3 in group "g"',
                                       {0: (request0, prepared0, shape0), 1: (request1, prepared1, shape1)})
         """
+        if any(isinstance(prepared, repeated.Held) for _, prepared, _ in requests.values()):
+            return self._express_repeats(kind, label, requests)
         layout = laid_out(self.engine, kind, {pid: shape for pid, (_, _, shape) in requests.items()})
         deadline = decode.deadline(requests[max(requests)][0], None, self.collective_timeout)
         if layout is None:  # the first time: joined and checked as any collective, which lays it out
@@ -320,6 +322,33 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 tensor.raw_data = codec.raw_bytes(to_host(array))
             out[pid] = message.SerializeToString()
         return out
+
+    def _express_repeats(self, kind: str, label: str, requests: Mapping[int, tuple[Any, Any, bytes]]
+                         ) -> dict[int, bytes]:
+        """:meth:`express` of a collective every process sent as a repeat (:class:`~xreduced.repeated.Held`: the
+        same request as a collective the full path served before, tensors and output in its session's shared
+        memory, but for the sequence number): each process's regions pinned and checked as a call checks them,
+        one :func:`~xreduced.collective.reduce_together` into their output slots, and each process's kept reply.
+
+        Raises:
+            xreduced.repeated.Stale: a region is not the one validated; InvalidArgument: a process that did not
+                send its request as a repeat; or what the reduction raises (the express lane then hands the
+                calls to the full path).
+        """
+        deadline = decode.deadline(requests[max(requests)][0], None, self.collective_timeout)
+        with contextlib.ExitStack() as stack:
+            shares = {}
+            for pid, (_, held, key) in requests.items():
+                if not isinstance(held, repeated.Held):
+                    raise InvalidArgument(f"process {pid} of {label} did not send a repeat")
+                r = held.repeat
+                pairs, outs = stack.enter_context(r.views(
+                    lambda names, s=held.session_id: self.regions.pin_named(s, names), self.regions.unpin))
+                shares[pid] = Contribution(kind, r.op, r.num_packs, r.algorithm, r.reduce_to, tuple(pairs),
+                                           out=tuple(outs), shape=key)
+            self._timed(kind, sum(_replica_bytes(v) for v, _ in shares[min(shares)].pairs),
+                        lambda: reduce_together(self.engine, shares, label, deadline))
+        return {pid: held.reply for pid, (_, held, _) in requests.items()}
 
     def Broadcast(self, request, context):
         """Copies the tensor to every destination (from the source process, in a collective).
@@ -622,6 +651,11 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                              out=tuple(outs), shape=shape)
         deadline = options.deadline
         cluster = self._cluster(group)
+        if (cluster is None and getattr(context, "keeps_repeats", False) and regions is not None
+                and request.HasField("output")):  # the lane keeps it once the collective has its reply
+            context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
+                                           options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
+                                           call.held)
         if cluster is not None and cluster.spans_nodes:
             def reduce(shares):
                 return across.reduce_across(cluster, self.engine, shares, group.label, deadline, group.sequence)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
-from daemons import wait_log
-from prometheus_client.parser import text_string_to_metric_families
+from daemons import metrics, wait_log
 from test_local_lane import connect, session
 from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.v1 import xreduce_pb2_grpc as pb_grpc
@@ -41,14 +39,6 @@ def lane_call(sock, method: str, message, timeout: float = 20.0) -> tuple[int, b
 def results(body: bytes) -> list[list[list]]:
     reply = pb.BatchReduceResponse.FromString(body)
     return [[codec.decode(c.tensor).tolist() for c in r.result.components] for r in reply.results]
-
-
-def metrics(daemon) -> dict[tuple[str, tuple], float]:
-    address = re.search(r"event=metrics address=(\S+)", daemon.log()).group(1)
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def calls(daemon, code: str = "OK") -> float:

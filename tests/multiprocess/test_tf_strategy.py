@@ -46,10 +46,11 @@ def start(daemon, argv: list[str], group: str, **env: str) -> subprocess.Popen:
                          text=True)
 
 
-def keras_job(daemon, group: str, processes: int, replicas: int, out: str = "", *flags: str) -> list[subprocess.Popen]:
+def keras_job(daemon, group: str, processes: int, replicas: int, out: str = "", *flags: str,
+              **env: str) -> list[subprocess.Popen]:
     return [start(daemon, ["-m", "xreduce_bench.keras_job", "--strategy", "xreduce", "--replicas", str(replicas),
                            "--processes", str(processes), "--process-id", str(p), "--no-arithmetic-optimization",
-                           *(["--out", f"{out}-{p}.npz"] if out else []), *flags], group)
+                           *(["--out", f"{out}-{p}.npz"] if out else []), *flags], group, **env)
             for p in range(processes)]
 
 
@@ -68,22 +69,30 @@ def bitwise(a, b) -> bool:
     return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize(("processes", "replicas"), [(2, 2), (2, 1)], ids=["2x2", "2x1"])
-def test_processes_train_to_the_weights_of_one_process_with_every_replica(daemon, tmp_path, processes, replicas):
+@pytest.mark.parametrize(("processes", "replicas", "kernel"), [(2, 2, "1"), (2, 1, "0")],
+                         ids=["2x2-kernel", "2x1-bridge"])
+def test_processes_train_to_the_weights_of_one_process_with_every_replica(daemon, tmp_path, processes, replicas,
+                                                                          kernel):
     """2 processes x R replicas against 1 process x 2R, on the same global batches (and a partial last one):
     the same weights bit for bit (the daemon adds the job's replicas in one order), the same logged loss and
     metric in every process; each process starts from different random weights, so process 0's initial
-    values must reach process 1, and with one replica per process the processes must still communicate."""
+    values must reach process 1, and with one replica per process the processes must still communicate. Each
+    step's all-reduce is a group's prepared batch, sent by xreduce's TF kernel or by the bridge."""
     flags = ("--extra-rows", "37", "--epochs", "2")
     one = events(keras_job(daemon, f"one-{processes}x{replicas}", 1, processes * replicas,
                            str(tmp_path / "one"), *flags)[0])[-1]
     assert one["event"] == "fit", one
-    job = keras_job(daemon, f"job-{processes}x{replicas}", processes, replicas, str(tmp_path / "job"), *flags)
+    job = keras_job(daemon, f"job-{processes}x{replicas}", processes, replicas, str(tmp_path / "job"), *flags,
+                    XREDUCE_TF_KERNEL=kernel)
     fits = [events(p)[-1] for p in job]
     for fit in fits:
         assert fit["event"] == "fit", fit
         assert fit["replicas"] == processes * replicas
         assert fit["history"] == one["history"]
+        calls = fit["kernel_calls"] if kernel == "1" else fit["prepared_calls"]
+        assert calls >= 4, fit  # two epochs of at least two steps
+        if kernel == "0":
+            assert fit["kernel_calls"] == 0, fit
     reference = weights(str(tmp_path / "one-0.npz"))
     for p in range(processes):
         assert bitwise(weights(str(tmp_path / f"job-{p}.npz")), reference)

@@ -12,7 +12,9 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
 from xreduce_bench.daemon import DaemonProcess
 
 
@@ -72,3 +74,13 @@ def wait_log(daemon: DaemonProcess, pattern: str, timeout: float = 10.0) -> re.M
         assert time.monotonic() < deadline, f"no log line matches {pattern!r}:\n{daemon.log()}"
         time.sleep(0.02)
     return m
+
+
+def metrics(daemon: DaemonProcess) -> dict[tuple[str, tuple], float]:
+    """Every sample the daemon's metrics endpoint (``--metrics-listen``) serves now: (name, sorted labels) ->
+    value."""
+    address = re.search(r"event=metrics address=(\S+)", daemon.log()).group(1)
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -141,3 +141,22 @@ def test_the_kernel_is_built_once_into_its_cache(tmp_path, monkeypatch):
     mtime = built.stat().st_mtime_ns
     assert _kernel.build() == built and built.stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_group_s_sequence_counter_becomes_one_that_the_kernels_and_python_share():
+    """In a group, the kernel numbers its collectives from the process's counter: made an int64 the kernels take
+    numbers from atomically, from where Python's count had got to, and Python's collectives go on taking theirs
+    from it (every process's k-th collective stays the others' k-th)."""
+    import ctypes
+
+    from xreduce._runtime import ProcessGroup
+
+    group = ProcessGroup("g", 2, 0, ("/cpu:0",), ("/cpu:0", "/cpu:1"))
+    assert [group.next_spec().sequence for _ in range(3)] == [0, 1, 2]
+    address = _kernel.shared_counter(group)
+    assert _kernel.shared_counter(group) == address  # made once
+    assert [group.next_spec().sequence for _ in range(2)] == [3, 4]
+    cell = ctypes.c_int64.from_address(address)
+    assert cell.value == 5
+    cell.value += 2  # what two kernel calls do
+    assert group.next_spec().sequence == 7

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from xreduce._errors import XReduceError
 from xreduce._prepared import PreparedBatch
+from xreduce._runtime import ProcessGroup
 from xreduce.tensorflow import _bridge
 
 ENV_KERNEL = "XREDUCE_TF_KERNEL"
@@ -170,6 +171,57 @@ def calls() -> int:
     return int(count())
 
 
+class SequenceCounter:
+    """A group's sequence counter (``ProcessGroup._counter``) that this process's kernels share: an int64 the
+    kernels and Python take numbers from atomically (the library's ``xreduce_next_sequence``), so that the k-th
+    collective of every process is still the k-th, whoever makes it. Its memory lives as long as the process (a
+    traced step may hold its address).
+
+    Example:
+        >>> counter = SequenceCounter(5, library_path())
+        >>> next(counter), next(counter)
+        (5, 6)
+    """
+
+    _kept: list[ctypes.c_int64] = []
+
+    def __init__(self, start: int, path: Path):
+        self.cell = ctypes.c_int64(start)
+        SequenceCounter._kept.append(self.cell)
+        self.address = ctypes.addressof(self.cell)
+        self._next = ctypes.CDLL(str(path)).xreduce_next_sequence
+        self._next.argtypes, self._next.restype = [ctypes.c_void_p], ctypes.c_int64
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        return int(self._next(self.address))
+
+
+def shared_counter(group: ProcessGroup) -> int:
+    """The address of ``group``'s sequence counter, made a :class:`SequenceCounter` (from its next number) the
+    first time a kernel needs it."""
+    path = library_path()
+    with group._lock:
+        counter = group._counter
+        if not isinstance(counter, SequenceCounter):
+            counter = group._counter = SequenceCounter(next(counter), path)
+        return counter.address
+
+
+def library_path() -> Path:
+    """The loaded kernel library's file (:func:`library` loads it first).
+
+    Raises:
+        RuntimeError: the kernel is off or could not be had.
+    """
+    if library() is None:
+        raise RuntimeError("xreduce's TF kernel is off or could not be built")
+    with _lock:
+        return _library[1]
+
+
 def call(prepared: PreparedBatch, inputs: Sequence[tf.Tensor], outputs: Sequence[tuple[tf.DType, tf.TensorShape]],
          name: str) -> list[tf.Tensor] | None:
     """The batch's results as the kernel's outputs in the graph being traced, or None when the kernel cannot make
@@ -193,4 +245,5 @@ def call(prepared: PreparedBatch, inputs: Sequence[tf.Tensor], outputs: Sequence
         address=native.address, daemon=native.daemon, hello=native.hello, request=native.request,
         staging=native.staging, staging_bytes=native.staging_bytes, output=native.output,
         output_bytes=native.output_bytes, input_offsets=list(native.input_offsets),
-        output_offsets=[at for at, _, _ in native.outputs], timeout=native.timeout, name=name))
+        output_offsets=[at for at, _, _ in native.outputs], timeout=native.timeout, name=name,
+        collective=native.collective, sequence=0 if native.group is None else shared_counter(native.group)))

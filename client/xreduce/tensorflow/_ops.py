@@ -139,9 +139,11 @@ class _DaemonOps:
 
     def _prepared(self, op: str, pairs: list[_bridge.Pair], timeout: float | None) -> PreparedBatch | None:
         """The batch as a :class:`~xreduce._prepared.PreparedBatch` (a traced step's call made once, then
-        repeated without the SDK's per-call work), in one process, when every value is dense and of a known
-        shape; else None (eagerly too: each eager call is a new one; in a group, the SDK's collective path)."""
-        if tf.executing_eagerly() or self._group() is not None or any(
+        repeated without the SDK's per-call work), in one process or a group of one daemon, when every value is
+        dense and of a known shape; else None (eagerly too: each eager call is a new one; in a group across nodes,
+        the SDK's collective path)."""
+        group = self._group()
+        if tf.executing_eagerly() or (group is not None and group.num_nodes > 1) or any(
                 p.sparse or not all(c.shape.is_fully_defined() for c in p.components) for p in pairs):
             return None
         specs = [Spec(p.devices, p.sdk_destinations, np.dtype(p.components[0].dtype.as_numpy_dtype),

@@ -8,6 +8,12 @@
 // as a kept repeat (xreduced.repeated). The frames are xreduce.wire.lane's: a 4-byte little-endian length, then
 // the body; a hello first; a reply's body is its status code (gRPC's numbers, which TF's are), whether the daemon
 // answered, then the response or the error message.
+//
+// In a multi-process group (one daemon), each call is the group's next collective: the kernel appends the
+// group's CollectiveSpec (serialized once in Python, without a sequence number) to the request as its field 7
+// (a field appended to a serialized protobuf message sets it), with the next number of the process's sequence
+// counter, an int64 that Python's collectives take numbers from too (xreduce_next_sequence). The daemon holds
+// each process's share of such a repeat until all have come (xreduced.express), then reduces them together.
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -60,6 +66,8 @@ REGISTER_OP("XreduceLaneCall")
     .Attr("input_offsets: list(int)")
     .Attr("output_offsets: list(int)")
     .Attr("timeout: float")  // seconds a call may take
+    .Attr("collective: string = ''")  // in a group: its CollectiveSpec without a sequence number
+    .Attr("sequence: int = 0")         // in a group: the address of the process's sequence counter (an int64)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // TF keeps its UNAVAILABLE and ABORTED (it makes them INTERNAL otherwise)
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
@@ -114,6 +122,12 @@ class LaneCallOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("input_offsets", &input_offsets_));
     OP_REQUIRES_OK(c, c->GetAttr("output_offsets", &output_offsets_));
     OP_REQUIRES_OK(c, c->GetAttr("timeout", &timeout_));
+    OP_REQUIRES_OK(c, c->GetAttr("collective", &collective_));
+    int64_t sequence = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("sequence", &sequence));
+    sequence_ = reinterpret_cast<int64_t*>(static_cast<intptr_t>(sequence));
+    OP_REQUIRES(c, collective_.empty() == (sequence_ == nullptr) && request_.size() >= 4,
+                absl::InvalidArgumentError("xreduce: a group's call needs both its collective and its sequence"));
     staging_bytes_ = static_cast<size_t>(staging_bytes);
     output_bytes_ = static_cast<size_t>(output_bytes);
     OP_REQUIRES(c, input_offsets_.size() == static_cast<size_t>(c->num_inputs()),
@@ -233,8 +247,35 @@ class LaneCallOp : public OpKernel {
 
   absl::Status Exchange(std::string* reply) {
     if (fd_ < 0) TF_RETURN_IF_ERROR(Connect());
-    TF_RETURN_IF_ERROR(Send(request_, "it broke during BatchReduce"));
+    if (sequence_ == nullptr) {
+      TF_RETURN_IF_ERROR(Send(request_, "it broke during BatchReduce"));
+    } else {
+      TF_RETURN_IF_ERROR(Send(Numbered(__atomic_fetch_add(sequence_, 1, __ATOMIC_SEQ_CST)),
+                              "it broke during BatchReduce"));
+    }
     return Receive(reply);
+  }
+
+  // The request frame with the group's collective appended, numbered ``sequence``, and its length set again.
+  std::string Numbered(int64_t sequence) const {
+    std::string spec = collective_;
+    spec.push_back(0x20);  // CollectiveSpec.sequence: field 4, a varint
+    Varint(static_cast<uint64_t>(sequence), &spec);
+    std::string frame = request_;
+    frame.push_back(0x3a);  // BatchReduceRequest.collective: field 7, length-delimited
+    Varint(spec.size(), &frame);
+    frame += spec;
+    uint32_t n = static_cast<uint32_t>(frame.size() - 4);
+    for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    return frame;
+  }
+
+  static void Varint(uint64_t value, std::string* out) {
+    while (value >= 0x80) {
+      out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+      value >>= 7;
+    }
+    out->push_back(static_cast<char>(value));
   }
 
   absl::Status Send(const std::string& data, const char* what) {
@@ -281,7 +322,8 @@ class LaneCallOp : public OpKernel {
 
   std::mutex mu_;
   std::vector<PartialTensorShape> shapes_;
-  std::string address_, daemon_, hello_, request_, staging_name_, output_name_;
+  std::string address_, daemon_, hello_, request_, staging_name_, output_name_, collective_;
+  int64_t* sequence_ = nullptr;
   size_t staging_bytes_ = 0, output_bytes_ = 0;
   std::vector<int64_t> input_offsets_, output_offsets_;
   float timeout_ = 0;
@@ -296,3 +338,6 @@ REGISTER_KERNEL_BUILDER(Name("XreduceLaneCall").Device(tensorflow::DEVICE_CPU), 
 
 // The calls this process's kernels made that the daemon answered with results (read through ctypes).
 extern "C" int64_t xreduce_lane_kernel_calls() { return calls.load(std::memory_order_relaxed); }
+
+// The next number of a process's sequence counter (the kernels' and Python's collectives share it).
+extern "C" int64_t xreduce_next_sequence(int64_t* counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_SEQ_CST); }
