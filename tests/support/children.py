@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import time
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,3 +52,31 @@ class Started:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def stopped(pid: int, timeout: float = 10.0) -> None:
+    """Sends ``pid`` SIGSTOP and returns once every thread of it has stopped (state ``T`` in
+    ``/proc/PID/task/*/stat``), within ``timeout`` seconds.
+
+    ``kill`` returns before the stop has happened: one thread of the process must run to stop the others, and on a
+    busy machine another thread, woken by a request, may still answer it in the meantime. A test that needs a process
+    that does not answer waits for this.
+
+    Example:
+        >>> import signal, sys
+        >>> proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        >>> stopped(proc.pid); proc.send_signal(signal.SIGCONT); proc.kill(); proc.wait()
+        -9
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} has not stopped within {timeout}s: threads {states}"
+        time.sleep(0.005)
