@@ -1,9 +1,11 @@
 """Two-process Keras jobs that call ``fit`` again and again: does any TF process die (a signal) between fits?
 
 Each ``fit`` of ``xreduce.tensorflow.MirroredStrategy`` over several processes builds the process's share of
-the global data (``xreduce.tensorflow._input``) and a new ``tf.data`` iterator, and drops the last one. About once
-in a hundred or more fits a TF process dies there (SIGSEGV in TF's ``MultiDeviceIterator`` background thread,
-``GetNext`` on a freed iterator, while the main thread drops the last fit's iterator); this counts such deaths.
+the global data (``xreduce.tensorflow._input``) and a new ``tf.data`` iterator, and drops the last one. While that
+went through TF's ``MultiDeviceIterator``, a TF process died there now and then (SIGSEGV in its background thread,
+``GetNext`` on a freed iterator, while the main thread dropped the last fit's iterator): in 7 of 10 jobs with the
+kernel's fast steps. Each replica now reads through a plain ``tf.data`` iterator; this counts such deaths (0 of 20
+jobs since, ``bench/results/keras-refits.txt``).
 
 Each job is two processes (one replica each, one daemon) of ``--fits`` fits of ``--steps`` steps (MLP of 82,689
 parameters, global batch 64), ``--jobs`` jobs in turn. A job whose process died of a signal is printed with the

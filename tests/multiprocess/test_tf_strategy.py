@@ -125,7 +125,8 @@ def test_a_process_ended_during_fit_fails_the_others_fit_naming_it(daemon, tmp_p
 
 def test_the_strategys_api_spans_the_job(daemon):
     """reduce, gather, datasets, values from a function, replica ids and a timeout, in two processes of two
-    replicas each (this module's ``_main``), against what one process over the job's four replicas gives."""
+    replicas each (this module's ``_main``), against what one process over the job's four replicas gives; a
+    distributed dataset reads through one tf.data iterator a replica."""
     procs = [start(daemon, [__file__, str(p)], "api") for p in range(2)]
     results = [events(p)[-1] for p in procs]
     for r in results:
@@ -141,6 +142,7 @@ def test_the_strategys_api_spans_the_job(daemon):
     assert p0["dataset"] == [[[0, 1, 2], [3, 4, 5]], [[10, 11], [12, 13]]]
     assert p1["dataset"] == [[[6, 7, 8], [9]], [[14], []]]
     assert p0["dict_dataset"] == [[{"a": [0, 1, 2], "b": [0, 10, 20]}, {"a": [3, 4, 5], "b": [30, 40, 50]}]]
+    assert p0["iterators"] == p1["iterators"] == ["OwnedIterator", "OwnedIterator"]
     assert (p0["contexts"], p1["contexts"]) == ([[2, 0, 4]], [[2, 1, 4]])
     assert (p0["values_from_function"], p1["values_from_function"]) == ([0, 1], [2, 3])
     assert p0["int32"] == p1["int32"] == [6, 6]
@@ -177,6 +179,10 @@ def _main(pid: int) -> None:
     out["dict_dataset"] = [[{k: v.numpy().tolist() for k, v in replica.items()}
                             for replica in strategy.experimental_local_results(x)]
                            for x in strategy.experimental_distribute_dataset(pairs)]
+    # One plain tf.data iterator a replica: no MultiDeviceIterator, whose background thread crashed TF between
+    # fits (bench/keras_refits.py). TF's private attributes: what the test is about is their kind.
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    out["iterators"] = [type(worker._iterator).__name__ for worker in iterator._iterators]
     contexts = []
 
     def dataset_fn(ctx):

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as tf_cdo
-from tensorflow.python.distribute import distribute_lib, distribute_utils, input_util, reduce_util
+from tensorflow.python.distribute import (
+    device_util,
+    distribute_lib,
+    distribute_utils,
+    input_lib,
+    input_util,
+    reduce_util,
+)
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
 from tensorflow.python.trackable import base as trackable
@@ -134,8 +141,21 @@ class _JobExtended(MirroredExtended):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
                                       "`distribute_datasets_from_function`.")
         mine = _input.shard(dataset, self._job.num_replicas, self._job.offset, len(self._devices))
-        return input_util.get_distributed_dataset(mine, self._input_workers_with_options(options),
-                                                  self._container_strategy(), options=options)
+        # Each replica's minibatches through an iterator of its own, on the host: not TF's MultiDeviceIterator,
+        # whose background thread may still be in the pipeline when Keras drops the last fit's iterator (a
+        # SIGSEGV between fits). TF's _input_workers_with_options is not asked: it keeps PER_REPLICA's workers
+        # for every later call.
+        local = len(self._devices)
+        replicas = distribute_lib.InputOptions(
+            experimental_fetch_to_device=False,
+            experimental_replication_mode=distribute_lib.InputReplicationMode.PER_REPLICA)
+        workers = input_lib.InputWorkers(tuple((device_util.canonicalize("/device:CPU:0", d), (d,))
+                                               for d in self._devices))
+        contexts = [distribute_lib.InputContext(num_input_pipelines=local, input_pipeline_id=i,
+                                                num_replicas_in_sync=self._job.num_replicas) for i in range(local)]
+        return input_util.get_distributed_datasets_from_function(
+            lambda context: mine.shard(local, context.input_pipeline_id) if local > 1 else mine, workers, contexts,
+            self._container_strategy(), replicas)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if not self._job:
