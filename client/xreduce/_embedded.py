@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 
 from xreduce import _runtime
+
+SETTLE_SECONDS = 1.0
+"""The most a block's end waits for the daemon to see this process's sessions end."""
 
 
 @contextlib.contextmanager
@@ -42,4 +46,14 @@ def serve_embedded(virtual_devices: int = 8, backend: str = "numpy") -> Iterator
             with _runtime.default().embedding(daemon.address):
                 yield daemon.address
         finally:
+            _sessions_ended(daemon)
             daemon.stop()
+
+
+def _sessions_ended(daemon, timeout: float = SETTLE_SECONDS) -> None:
+    """Waits (at most ``timeout`` seconds) until ``daemon`` has no session open: the SDK's sessions were cancelled
+    on leaving the block, but the daemon learns it a moment later, and a stream still open when it stops is cut
+    with a GOAWAY that gRPC logs on stderr."""
+    deadline = time.monotonic() + timeout
+    while daemon.regions.counts()[0] and time.monotonic() < deadline:
+        time.sleep(0.005)
