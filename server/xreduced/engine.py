@@ -21,10 +21,10 @@ from xreduce.wire.contract import mean_dtype
 from xreduce.wire.sparse import Slices, concat
 
 from xreduced import planner
-from xreduced.backends import Backend
+from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline, check_out, execute
+from xreduced.executor import Deadline, Fused, check_out, execute
 
 SUM = "SUM"
 MEAN = "MEAN"
@@ -286,6 +286,52 @@ class Engine:
                 results.append(self._to_one(value, dests, o, mean, reduce_to, deadline))
         return results
 
+    def prepare(self, op: str, pairs: Sequence[tuple[Value, Sequence[int]]], *, num_packs: int = 1,
+                algorithm: str = planner.HIERARCHICAL_COPY, reduce_to: int | None = None,
+                dest_fields: Sequence[str] | None = None,
+                out: Sequence[Mapping[int, np.ndarray]]) -> Prepared | None:
+        """:meth:`batch_reduce` of this batch worked out once, for a caller that reduces arrays of the same shape
+        at the same places again and again (a kept repeat, :mod:`xreduced.repeated`): the checks, the route,
+        the plan and the fused execution's layout. None when it is not one fused all-reduce on host memory
+        with every result in an ``out`` array (the caller then calls :meth:`batch_reduce`).
+
+        Raises:
+            InvalidArgument: what :meth:`batch_reduce` raises for the batch.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> e = Engine(NumpyBackend(2))
+            >>> v = Value((0, 1), (np.float32([1, 2]), np.float32([3, 4])))
+            >>> outs = [{0: np.empty(2, np.float32), 1: np.empty(2, np.float32)}]
+            >>> prepared = e.prepare(SUM, [(v, ())], out=outs)
+            >>> prepared.run([(v, ())], outs); outs[0][1]
+            array([4., 6.], dtype=float32)
+        """
+        resolved = self.validate(op, pairs, num_packs, dest_fields)
+        if not resolved or not isinstance(self.backend, HostMemory) or algorithm == planner.NCCL or \
+                any(is_sparse(v) for v, _ in resolved):
+            return None
+        together = algorithm != planner.REDUCTION_TO_ONE_DEVICE and self._together(resolved)
+        if not together or len(resolved[0][0].devices) < 2:
+            return None
+        routes = self._routes(resolved, algorithm, num_packs, together)
+        outs = self._check_outs(op, resolved, routes, out)
+        values = [v for v, _ in resolved]
+        devices = values[0].devices
+        inputs = [[v.arrays[v.devices.index(d)] for v in values] for d in devices]
+        templates = inputs[0]
+        plan = _planned(planner.hierarchical_copy, devices, tuple(a.size for a in templates),
+                        tuple(a.dtype.itemsize for a in templates), num_packs)
+        mean = op == MEAN
+        sinks = {}
+        for d in plan.destinations:
+            arrays = [o.get(d) if o is not None else None for o in outs]
+            if any(a is None or not a.flags.c_contiguous or a.dtype != (mean_dtype(t.dtype) if mean else t.dtype)
+                   for a, t in zip(arrays, templates)):
+                return None
+            sinks[d] = arrays
+        return Prepared(devices, plan.destinations, mean, Fused(plan, inputs, sinks))
+
     def _split_by_sparsity(self, op: str, resolved: list[tuple[Value, tuple[int, ...]]], sparse: list[int], *,
                            dest_fields: Sequence[str] | None, out: Sequence[Mapping[int, np.ndarray] | None] | None,
                            **options) -> list[Result]:
@@ -515,6 +561,22 @@ class Engine:
         results = execute(plan, self.backend, [[x] for x in value.arrays], mean=mean, deadline=deadline,
                           out=_per_tensor([out]))
         return Result(dests, tuple(results[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
+
+
+class Prepared:
+    """A batch :meth:`Engine.prepare` worked out: :meth:`run` reduces arrays of its shape into ``out`` arrays of
+    its shape, as :meth:`Engine.batch_reduce` would, bit for bit, without checking or planning again."""
+
+    def __init__(self, devices: tuple[int, ...], destinations: Sequence[int], mean: bool, fused: Fused):
+        self.devices, self.destinations, self.mean, self.fused = devices, tuple(destinations), mean, fused
+
+    def run(self, pairs: Sequence[tuple[Value, Sequence[int]]], out: Sequence[Mapping[int, np.ndarray]],
+            deadline: Deadline | None = None) -> None:
+        """Reduces ``pairs`` into ``out``: the same devices, dtypes, shapes and destinations as the batch it was
+        prepared from, and ``out`` arrays at the same places relative to the inputs (nothing here checks it)."""
+        inputs = [[v.arrays[v.devices.index(d)] for v, _ in pairs] for d in self.devices]
+        sinks = {d: [o[d] for o in out] for d in self.destinations}
+        self.fused.run(inputs, sinks, self.mean, deadline)
 
 
 @functools.lru_cache(maxsize=128)

@@ -362,40 +362,73 @@ def execute_fused(
         >>> execute_fused(plan, [[x] for x in xs], mean=True)[2][0]
         array([0., 2., 4.])
     """
-    deadline = deadline or Deadline(None)
-    templates = list(inputs[0])
-    targets = _targets(plan, templates, mean, out)
-    # One flat view per input and per target; ravel copies an input only when it is not C-contiguous.
-    sources = [[a.ravel() for a in component] for component in inputs]
-    if out:  # the caller's arrays may be views that are not contiguous: those are written through a copy
-        sinks = {d: [a if a.flags.c_contiguous else np.empty(a.shape, a.dtype) for a in arrays]
-                 for d, arrays in targets.items()}
-    else:
-        sinks = targets
-    flat_sinks = {d: [a.reshape(-1) for a in arrays] for d, arrays in sinks.items()}
-    programs = _programs(plan)
-    units = []  # (pack, program, tensor, start, stop): one chunk of one segment
-    for pack in plan.packs:
-        if not pack.elements:
-            continue
-        program = programs[pack.index]
-        for s in pack.segments:
-            chunk = max(1, chunk_bytes // templates[s.tensor].dtype.itemsize)
-            units.extend((pack, program, s.tensor, a, min(a + chunk, s.stop)) for a in range(s.start, s.stop, chunk))
-    input_bytes = sum(a.nbytes for component in inputs for a in component)
-    if threads is None:
-        threads = THREADS if input_bytes >= PARALLEL_BYTES else 1
-    run = _Runner(plan, sources, flat_sinks, mean, deadline, _aliased(sources, flat_sinks))
-    if threads <= 1 or len(units) <= 1:
-        run(units)
-    else:
-        run.parallel(units, threads)
+    targets = _targets(plan, list(inputs[0]), mean, out)
+    # The caller's arrays may be views that are not contiguous: those are written through a copy.
+    sinks = {d: [a if a.flags.c_contiguous else np.empty(a.shape, a.dtype) for a in arrays]
+             for d, arrays in targets.items()} if out else targets
+    fused = Fused(plan, inputs, sinks, chunk_bytes=chunk_bytes, threads=threads)
+    fused.run(inputs, sinks, mean, deadline)
     if sinks is not targets:
         for d, arrays in targets.items():
             for dst, sink in zip(arrays, sinks[d]):
                 if sink is not dst:
                     np.copyto(dst, sink)
     return targets
+
+
+class Fused:
+    """:func:`execute_fused`'s work for one shape of call, worked out once: the chunks of each tensor, the
+    threads, whether a result shares memory with an input. :meth:`run` then reduces arrays of that shape, at
+    those addresses relative to each other (a training step's all-reduce through shared memory: the same
+    regions every step), with none of it worked out again.
+
+    Args:
+        plan: from the planner (not an NCCL plan).
+        inputs: ``inputs[p][t]``, as :func:`execute` takes them.
+        sinks: destination -> one C-contiguous array per tensor, the results' dtype and shape.
+        chunk_bytes, threads: as :func:`execute_fused` takes them.
+
+    Example:
+        >>> from xreduced.planner import hierarchical_copy
+        >>> plan = hierarchical_copy([0, 1], [2], 4)
+        >>> xs, outs = [[np.ones(2, np.float32)], [np.full(2, 2, np.float32)]], {0: [np.empty(2, np.float32)],
+        ...                                                                     1: [np.empty(2, np.float32)]}
+        >>> fused = Fused(plan, xs, outs)
+        >>> fused.run(xs, outs); outs[1][0]
+        array([3., 3.], dtype=float32)
+    """
+
+    def __init__(self, plan: Plan, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
+                 *, chunk_bytes: int = CHUNK_BYTES, threads: int | None = None):
+        self.plan = plan
+        templates = list(inputs[0])
+        programs = _programs(plan)
+        self.units = []  # (pack, program, tensor, start, stop): one chunk of one segment
+        for pack in plan.packs:
+            if not pack.elements:
+                continue
+            program = programs[pack.index]
+            for s in pack.segments:
+                chunk = max(1, chunk_bytes // templates[s.tensor].dtype.itemsize)
+                self.units.extend((pack, program, s.tensor, a, min(a + chunk, s.stop))
+                                  for a in range(s.start, s.stop, chunk))
+        if threads is None:
+            input_bytes = sum(a.nbytes for component in inputs for a in component)
+            threads = THREADS if input_bytes >= PARALLEL_BYTES else 1
+        self.threads = threads
+        self.aliased = _aliased(inputs, sinks)
+
+    def run(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
+            mean: bool = False, deadline: Deadline | None = None) -> None:
+        """Reduces ``inputs`` into ``sinks`` (arrays of the shape this was made for; see the class)."""
+        # One flat view per input and per sink; ravel copies an input only when it is not C-contiguous.
+        sources = [[a.ravel() for a in component] for component in inputs]
+        flat_sinks = {d: [a.reshape(-1) for a in arrays] for d, arrays in sinks.items()}
+        run = _Runner(self.plan, sources, flat_sinks, mean, deadline or Deadline(None), self.aliased)
+        if self.threads <= 1 or len(self.units) <= 1:
+            run(self.units)
+        else:
+            run.parallel(self.units, self.threads)
 
 
 class _Runner:

@@ -45,7 +45,7 @@ import numpy as np
 from xreduce.wire import codec
 
 from xreduced.decode import Slot, timeout_seconds
-from xreduced.engine import Value
+from xreduced.engine import Engine, Value
 from xreduced.executor import Deadline
 
 REPEATS_KEPT = 8
@@ -103,6 +103,9 @@ class Repeat:
     """The call's working set in the in-flight budget, as the full path admitted it."""
     region_bytes: int = 0
     """Bytes of the regions' slices it reads and writes: over the lane's inline bound, a worker serves it."""
+    prepared: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+    """Filled by the first :meth:`run`: the engine's :class:`~xreduced.engine.Prepared` reduction, or None
+    when the engine cannot prepare it."""
 
     def deadline(self, call_seconds: float | None) -> Deadline:
         """The call's deadline, as :func:`xreduced.decode.deadline` makes it for a solo call.
@@ -114,18 +117,30 @@ class Repeat:
         limits = [s for s in (self.timeout, call_seconds) if s is not None]
         return Deadline(min(limits) if limits else None)
 
-    def run(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None],
-            reduce: Callable[..., Any], call_seconds: float | None) -> None:
+    def run(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None], engine: Engine,
+            call_seconds: float | None) -> None:
         """Reduces the regions' current bytes into the output slots: ``pin(names)`` pins the session's regions of
-        those names (None when one is gone), ``unpin`` releases them, ``reduce`` is the engine's ``batch_reduce``.
+        those names (None when one is gone), ``unpin`` releases them, ``engine`` reduces. Its first run prepares
+        the reduction (:meth:`xreduced.engine.Engine.prepare`: checked and planned once, the views at the same
+        places every time, since the regions are the ones validated); later ones only run it.
 
         Raises:
             Stale: a region is not the one validated (unregistered, registered again, the session ended).
             Whatever the region checks or the engine raise (the full path then answers the call).
         """
         with self.views(pin, unpin) as (pairs, outs):
-            reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm, reduce_to=self.reduce_to,
-                   deadline=self.deadline(call_seconds), dest_fields=list(self.dest_fields), out=outs)
+            deadline = self.deadline(call_seconds)
+            if not self.prepared:
+                self.prepared.append(engine.prepare(self.op, pairs, num_packs=self.num_packs,
+                                                    algorithm=self.algorithm, reduce_to=self.reduce_to,
+                                                    dest_fields=list(self.dest_fields), out=outs))
+            prepared = self.prepared[0]
+            if prepared is not None:
+                prepared.run(pairs, outs, deadline)
+            else:
+                engine.batch_reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm,
+                                    reduce_to=self.reduce_to, deadline=deadline, dest_fields=list(self.dest_fields),
+                                    out=outs)
 
     @contextlib.contextmanager
     def views(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None]):

@@ -676,7 +676,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 and the engine raise. The lane then serves the call by the full path.
         """
         self._timed(repeat.kind, repeat.replica_bytes, lambda: repeat.run(
-            lambda names: self.regions.pin_named(session_id, names), self.regions.unpin, self.engine.batch_reduce,
+            lambda names: self.regions.pin_named(session_id, names), self.regions.unpin, self.engine,
             call_seconds))
 
     def _cluster(self, group: decode.Group | None) -> ClusterGroup | None:

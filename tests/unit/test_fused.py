@@ -360,3 +360,66 @@ def test_broadcast_together_writes_into_each_process_out(engine):
     assert results[0].arrays[1] is mine[0] and results[1].arrays[0] is mine[1]
     for arr in (*results[0].arrays, *results[1].arrays):
         assert arr.tolist() == [0, 1, 2, 3]
+
+
+@st.composite
+def batches(draw):
+    """(op, pairs, num_packs, make_out): an all-reduce batch over one random device set, with writable inputs."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    devices = tuple(int(d) for d in rng.permutation(8)[: draw(st.integers(2, 6))])
+    count = draw(st.integers(1, 5))
+    dtype = draw(st.sampled_from(DTYPES))
+    shapes = [tuple(draw(st.lists(st.integers(1, 9), max_size=3))) for _ in range(count)]
+    pairs = [(Value(devices, tuple(np.array(values(rng, dtype, s)) for _ in devices), f"pairs[{i}].value"), ())
+             for i, s in enumerate(shapes)]
+    op = draw(st.sampled_from([SUM, MEAN]))
+    dests = devices[:: -1 if draw(st.booleans()) else 1]
+    return op, pairs, draw(st.integers(0, 3)), rng, dests
+
+
+@PROPERTY
+@given(batches())
+def test_a_prepared_batch_reduces_new_values_as_batch_reduce_does(case):
+    """Engine.prepare, as a kept repeat uses it: prepared from one step's arrays, run on the same arrays holding
+    the next steps' values, bit for bit what batch_reduce writes."""
+    op, pairs, num_packs, rng, dests = case
+    engine = Engine(NumpyBackend(8))
+    dtype = result_dtype(op, pairs[0][0].arrays[0].dtype, planner.HIERARCHICAL_COPY)
+    out = [{d: np.empty(v.arrays[0].shape, dtype) for d in dests} for v, _ in pairs]
+    prepared = engine.prepare(op, pairs, num_packs=num_packs, out=out)
+    assert prepared is not None
+    for _ in range(2):
+        for v, _ in pairs:
+            for a in v.arrays:
+                a[...] = values(rng, a.dtype, a.shape)
+        want = engine.batch_reduce(op, pairs, num_packs=num_packs)
+        prepared.run(pairs, out)
+        for i, (w, mine) in enumerate(zip(want, out)):
+            for d, arr in zip(w.devices, w.arrays):
+                assert same_bits(mine[d], arr), f"pair {i} on device {d}"
+
+
+def test_a_prepared_batch_that_writes_over_its_inputs_reads_them_first(engine):
+    x = [np.arange(6, dtype=np.float32) * (k + 1) for k in range(3)]
+    want = engine.batch_reduce(SUM, [(Value((0, 1, 2), tuple(a.copy() for a in x)), ())])[0].arrays[0]
+    pairs = [(Value((0, 1, 2), tuple(x)), ())]
+    out = [{0: x[2], 1: x[1], 2: x[0]}]  # each result over another device's input
+    engine.prepare(SUM, pairs, out=out).run(pairs, out)
+    assert all(a.tolist() == want.tolist() for a in x)
+
+
+def test_what_cannot_be_prepared_is_left_to_batch_reduce(engine):
+    x = np.ones(4, np.float32)
+    pair = (Value((0, 1), (x, x)), ())
+
+    def out(*devices):
+        return [{d: np.empty(4, np.float32) for d in devices}]
+
+    assert engine.prepare(SUM, [pair], out=out(0)) is None  # a destination without an out array
+    assert engine.prepare(SUM, [pair], algorithm=planner.REDUCTION_TO_ONE_DEVICE, out=out(0, 1)) is None
+    assert engine.prepare(SUM, [(Value((0, 1), (x, x)), (2,))], out=[{2: np.empty(4, np.float32)}]) is None
+    assert engine.prepare(SUM, [(Value((3,), (x,)), ())], out=out(3)) is None  # one device: TF's identity
+    strided = np.empty(8, np.float32)[::2]
+    assert engine.prepare(SUM, [pair], out=[{0: np.empty(4, np.float32), 1: strided}]) is None
+    with pytest.raises(InvalidArgument, match="reduce_op must be SUM or MEAN"):
+        engine.prepare("MAX", [pair], out=out(0, 1))

@@ -86,6 +86,12 @@ def test_a_solo_region_request_leaves_a_repeat_that_reduces_new_bytes(served):
     views["in"][:N], views["in"][64:64 + N] = 5.0, 7.0
     service.repeat(repeat, session.id, None)
     assert views["out"][:N].tolist() == [12.0] * N and views["out"][16:16 + N].tolist() == [12.0] * N
+    (prepared,) = repeat.prepared  # the first run prepared the reduction; the next ones only run it
+    assert prepared is not None
+    views["in"][:N], views["in"][64:64 + N] = np.arange(N), -1.5
+    service.repeat(repeat, session.id, None)
+    assert repeat.prepared == [prepared]
+    assert views["out"][:N].tolist() == (np.arange(N) - 1.5).tolist() == views["out"][16:16 + N].tolist()
 
 
 def test_a_repeat_is_stale_once_a_region_is_registered_again(served):
