@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from xreduce.wire.sparse import Slices
 
-from xreduced.engine import Engine, Result, Value
+from xreduced.engine import Engine, PreparedReduction, Result, Value
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Deadline
 from xreduced.prepared import Recent
@@ -250,6 +250,36 @@ def _parts_differ(pid: int, value: Value, ref_pid: int, ref_value: Value, t: int
                     f"for tensor {i} of {what}")
     return (f"process {pid} fused tensors {[i for i, _ in value.parts]} but process {ref_pid} fused "
             f"{[i for i, _ in ref_value.parts]} into tensor {t} of {what}; the processes' batches differ")
+
+
+def prepared_together(engine: Engine, shares: Mapping[int, Contribution], what: str) -> PreparedReduction | None:
+    """:func:`reduce_together`'s reduction of ``shares`` prepared (:meth:`~xreduced.engine.Engine.prepare`) for
+    shares whose arrays stay where they are, collective after collective (a group's held repeats, their views of
+    the same regions): run it on :func:`join_shares` of each later collective's shares. None when the engine
+    cannot prepare it, or when two processes give ``out`` arrays for one destination (:func:`reduce_together`
+    copies into the second). The shares must have passed :func:`reduce_together` first.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> engine = Engine(NumpyBackend(2))
+        >>> def share(pid, x):
+        ...     value = Value((pid,), (x,), "pairs[0].value")
+        ...     return Contribution("BatchReduce", "SUM", 1, "hierarchical_copy", None, ((value, (pid,)),),
+        ...                         out=({pid: np.empty(1, np.float32)},))
+        >>> shares = {0: share(0, np.float32([1])), 1: share(1, np.float32([2]))}
+        >>> prepared = prepared_together(engine, shares, "collective 1")
+        >>> shares[1].pairs[0][0].arrays[0][0] = 5
+        >>> prepared.run(*join_shares(engine, shares, "collective 2")); shares[0].out[0][0]
+        array([6.], dtype=float32)
+    """
+    joined, outs = join_shares(engine, shares, what)
+    for t, out in enumerate(outs):
+        given = sum(len(c.out[t]) for c in shares.values() if c.out is not None and c.out[t] is not None)
+        if out is None or len(out) != given:
+            return None
+    ref = shares[min(shares)]
+    return engine.prepare(ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
+                          dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))], out=outs)
 
 
 def join_shares(engine: Engine, shares: Mapping[int, Contribution], what: str

@@ -289,7 +289,7 @@ class Engine:
     def prepare(self, op: str, pairs: Sequence[tuple[Value, Sequence[int]]], *, num_packs: int = 1,
                 algorithm: str = planner.HIERARCHICAL_COPY, reduce_to: int | None = None,
                 dest_fields: Sequence[str] | None = None,
-                out: Sequence[Mapping[int, np.ndarray]]) -> Prepared | None:
+                out: Sequence[Mapping[int, np.ndarray]]) -> PreparedReduction | None:
         """:meth:`batch_reduce` of this batch worked out once, for a caller that reduces arrays of the same shape
         at the same places again and again (a kept repeat, :mod:`xreduced.repeated`): the checks, the route,
         the plan and the fused execution's layout. None when it is not one fused all-reduce on host memory
@@ -330,7 +330,7 @@ class Engine:
                    for a, t in zip(arrays, templates)):
                 return None
             sinks[d] = arrays
-        return Prepared(devices, plan.destinations, mean, Fused(plan, inputs, sinks))
+        return PreparedReduction(devices, plan.destinations, mean, Fused(plan, inputs, sinks))
 
     def _split_by_sparsity(self, op: str, resolved: list[tuple[Value, tuple[int, ...]]], sparse: list[int], *,
                            dest_fields: Sequence[str] | None, out: Sequence[Mapping[int, np.ndarray] | None] | None,
@@ -563,7 +563,7 @@ class Engine:
         return Result(dests, tuple(results[d][0] for d in dests), planner.REDUCTION_TO_ONE_DEVICE)
 
 
-class Prepared:
+class PreparedReduction:
     """A batch :meth:`Engine.prepare` worked out: :meth:`run` reduces arrays of its shape into ``out`` arrays of
     its shape, as :meth:`Engine.batch_reduce` would, bit for bit, without checking or planning again."""
 

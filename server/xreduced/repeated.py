@@ -104,7 +104,7 @@ class Repeat:
     region_bytes: int = 0
     """Bytes of the regions' slices it reads and writes: over the lane's inline bound, a worker serves it."""
     prepared: list = dataclasses.field(default_factory=list, compare=False, repr=False)
-    """Filled by the first :meth:`run`: the engine's :class:`~xreduced.engine.Prepared` reduction, or None
+    """Filled by the first :meth:`run`: the engine's :class:`~xreduced.engine.PreparedReduction`, or None
     when the engine cannot prepare it."""
 
     def deadline(self, call_seconds: float | None) -> Deadline:
