@@ -286,6 +286,9 @@ def barrier(ctx: Ctx) -> dict:
     if ctx.rank == last:
         ctx.store.wait(["barrier/0"], STORE_WAIT)
         ctx.store.set(f"barrier/{last}", "entered")
+        # A TCPStore's set is sent without an answer: read it back on this connection, so that the store has it
+        # before this rank enters (rank 0's check comes on a connection of its own, and could overtake the set).
+        ctx.store.get(f"barrier/{last}")
     elif ctx.rank == 0:
         ctx.store.set("barrier/0", "entering")
     dist.barrier()
