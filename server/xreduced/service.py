@@ -130,9 +130,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.config = config or Config()
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
         self.prepared = PreparedCalls() if prepared is None else prepared
+        """The request shapes validated before (:mod:`xreduced.prepared`)."""
         self._group_runs: Recent[tuple, tuple] = Recent(GROUP_RUNS_KEPT)
         """A group's held repeats (process, repeat) -> their reduction, prepared (or None) when they first met."""
-        """The request shapes validated before (:mod:`xreduced.prepared`)."""
         self.admission = Admission.from_config(self.config) if admission is None else admission
         self.held_elsewhere = held_elsewhere
         self.lane = lane
@@ -366,8 +366,12 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 self._timed(kind, replica_bytes, lambda: prepared.run(joined, outs, deadline))
             else:
                 self._timed(kind, replica_bytes, lambda: reduce_together(self.engine, shares, label, deadline))
-                if kept is None:
-                    self._group_runs.put(key, (repeats, prepared_together(self.engine, shares, label)))
+                if kept is None:  # reduced: nothing raised from here may send the calls down the full path again
+                    try:
+                        prepared = prepared_together(self.engine, shares, label)
+                    except Exception:  # a bug: these repeats keep reducing through reduce_together
+                        log.exception("event=prepare_failed collective=%s", label)
+                    self._group_runs.put(key, (repeats, prepared))
         return {pid: held.reply for pid, (_, held, _) in requests.items()}
 
     def Broadcast(self, request, context):
