@@ -12,6 +12,7 @@ named none).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import weakref
 from collections.abc import Mapping
@@ -24,6 +25,8 @@ from xreduced.engine import Engine, PreparedReduction, Result, Value
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Deadline
 from xreduced.prepared import Recent
+
+log = logging.getLogger("xreduced.collective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +283,49 @@ def prepared_together(engine: Engine, shares: Mapping[int, Contribution], what: 
     ref = shares[min(shares)]
     return engine.prepare(ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
                           dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))], out=outs)
+
+
+class Reductions:
+    """:func:`reduce_together` for a group's collectives whose shares come back at the same places again and again
+    (a group's held repeats, :mod:`xreduced.repeated`), identified by the objects that fix those places: the
+    first collective of a combination of them is reduced by :func:`reduce_together` and then prepared
+    (:func:`prepared_together`); later ones run what was prepared. The ``kept`` most recent combinations are kept.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> engine, reductions = Engine(NumpyBackend(2)), Reductions()
+        >>> def share(pid, x):
+        ...     value = Value((pid,), (x,), "pairs[0].value")
+        ...     return Contribution("BatchReduce", "SUM", 1, "hierarchical_copy", None, ((value, (pid,)),),
+        ...                         out=({pid: np.empty(1, np.float32)},))
+        >>> shares, owners = {0: share(0, np.float32([1])), 1: share(1, np.float32([2]))}, ("a", "b")
+        >>> reductions.reduce(engine, shares, owners, "collective 1", Deadline(None))
+        >>> shares[1].pairs[0][0].arrays[0][0] = 5
+        >>> reductions.reduce(engine, shares, owners, "collective 2", Deadline(None)); shares[0].out[0][0]
+        array([6.], dtype=float32)
+    """
+
+    def __init__(self, kept: int = 64):
+        self._kept: Recent[tuple[int, ...], tuple[tuple, PreparedReduction | None]] = Recent(kept)
+
+    def reduce(self, engine: Engine, shares: Mapping[int, Contribution], owners: tuple, what: str,
+               deadline: Deadline) -> None:
+        """Reduces ``shares`` into their ``out`` arrays; ``owners``: the objects their places come from."""
+        key = tuple(map(id, owners))
+        kept = self._kept.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], owners)):
+            if kept[1] is not None:
+                kept[1].run(*join_shares(engine, shares, what), deadline)
+            else:
+                reduce_together(engine, shares, what, deadline)
+            return
+        reduce_together(engine, shares, what, deadline)
+        try:  # reduced: nothing raised from here may have the caller reduce these shares again
+            prepared = prepared_together(engine, shares, what)
+        except Exception:  # a bug: this combination keeps reducing through reduce_together
+            log.exception("event=prepare_failed collective=%s", what)
+            prepared = None
+        self._kept.put(key, (owners, prepared))
 
 
 def join_shares(engine: Engine, shares: Mapping[int, Contribution], what: str

@@ -32,11 +32,10 @@ from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
     BroadcastShare,
     Contribution,
+    Reductions,
     assign_devices,
     broadcast_together,
-    join_shares,
     laid_out,
-    prepared_together,
     reduce_together,
 )
 from xreduced.config import Config
@@ -49,7 +48,7 @@ from xreduced.membership import LocalGroups
 from xreduced.metrics import Stats
 from xreduced.peers import Peers
 from xreduced.pipeline import current_call
-from xreduced.prepared import Prepared, PreparedCalls, Recent
+from xreduced.prepared import Prepared, PreparedCalls
 from xreduced.region_service import Lane, RegionService
 from xreduced.regions import CallRegions, RegionTable, session_of
 from xreduced.rendezvous import Meeting, Participant, Rendezvous
@@ -131,8 +130,8 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         self.rendezvous = rendezvous or Rendezvous(report_after=self.config.stall_warning_seconds)
         self.prepared = PreparedCalls() if prepared is None else prepared
         """The request shapes validated before (:mod:`xreduced.prepared`)."""
-        self._group_runs: Recent[tuple, tuple] = Recent(GROUP_RUNS_KEPT)
-        """A group's held repeats (process, repeat) -> their reduction, prepared (or None) when they first met."""
+        self._group_reductions = Reductions(GROUP_RUNS_KEPT)
+        """The reductions of the combinations of a group's held repeats met lately, prepared once."""
         self.admission = Admission.from_config(self.config) if admission is None else admission
         self.held_elsewhere = held_elsewhere
         self.lane = lane
@@ -353,25 +352,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                     lambda names, s=held.session_id: self.regions.pin_named(s, names), self.regions.unpin))
                 shares[pid] = Contribution(kind, r.op, r.num_packs, r.algorithm, r.reduce_to, tuple(pairs),
                                            out=tuple(outs), shape=key)
-            replica_bytes = sum(_replica_bytes(v) for v, _ in shares[min(shares)].pairs)
-            repeats = tuple((pid, requests[pid][1].repeat) for pid in sorted(requests))
-            key = tuple((pid, id(r)) for pid, r in repeats)
-            kept = self._group_runs.get(key)
-            if kept is not None and all(a is b for (_, a), (_, b) in zip(kept[0], repeats)):
-                prepared = kept[1]
-            else:
-                prepared, kept = None, None
-            if prepared is not None:  # these repeats' reduction, prepared when they first met
-                joined, outs = join_shares(self.engine, shares, label)
-                self._timed(kind, replica_bytes, lambda: prepared.run(joined, outs, deadline))
-            else:
-                self._timed(kind, replica_bytes, lambda: reduce_together(self.engine, shares, label, deadline))
-                if kept is None:  # reduced: nothing raised from here may send the calls down the full path again
-                    try:
-                        prepared = prepared_together(self.engine, shares, label)
-                    except Exception:  # a bug: these repeats keep reducing through reduce_together
-                        log.exception("event=prepare_failed collective=%s", label)
-                    self._group_runs.put(key, (repeats, prepared))
+            repeats = tuple(requests[pid][1].repeat for pid in sorted(requests))
+            self._timed(kind, sum(_replica_bytes(v) for v, _ in shares[min(shares)].pairs),
+                        lambda: self._group_reductions.reduce(self.engine, shares, repeats, label, deadline))
         return {pid: held.reply for pid, (_, held, _) in requests.items()}
 
     def Broadcast(self, request, context):

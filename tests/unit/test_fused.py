@@ -364,7 +364,8 @@ def test_broadcast_together_writes_into_each_process_out(engine):
 
 @st.composite
 def batches(draw):
-    """(op, pairs, num_packs, make_out): an all-reduce batch over one random device set, with writable inputs."""
+    """(op, pairs, num_packs, rng, dests): an all-reduce batch over one random device set, writable inputs, and the
+    order of its destinations."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     devices = tuple(int(d) for d in rng.permutation(8)[: draw(st.integers(2, 6))])
     count = draw(st.integers(1, 5))
