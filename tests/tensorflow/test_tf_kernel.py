@@ -74,6 +74,27 @@ def test_the_traced_batch_takes_the_kernel_and_gives_the_exact_sums(daemon):
     assert len(ops._kept) == 2  # one prepared batch a traced step, its segments kept with the ops
 
 
+def test_a_batch_of_several_mib_is_copied_in_blocks_and_gives_the_exact_sums(daemon):
+    """Inputs and results of more than a MiB are copied on TF's worker threads, in blocks of 256 KiB: tensors whose
+    sizes are no multiple of a block, of two dtypes, each element its own value, summed exactly."""
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce(
+        address=daemon.address))
+
+    def values(replica):
+        return [tf.cast((tf.range(300_001) % 1009), tf.float32) * tf.cast(replica + 1, tf.float32),
+                tf.reshape(tf.range(70_001 * 2, dtype=tf.float64), (70_001, 2)) - replica]
+
+    step = step_of(strategy, values)
+    before = _kernel.calls()
+    for _ in range(2):
+        out = step()
+    assert _kernel.calls() - before == 2
+    want = [(np.arange(300_001) % 1009).astype(np.float32) * 3, np.arange(70_001 * 2.0).reshape(70_001, 2) * 2 - 1]
+    for value, w in zip(out, want):
+        for got in value.values:
+            np.testing.assert_array_equal(got.numpy(), w)
+
+
 def test_the_kernel_keeps_the_daemons_error_code(start_daemon):
     """A daemon that stops: the traced step fails with tf.errors.UnavailableError naming it (not the UNKNOWN a
     Python function's error becomes), and fails so again (the kernel gave its shared memory up)."""
