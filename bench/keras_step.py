@@ -19,7 +19,9 @@ first (tracing) epoch, so that an epoch's own start and end (the iterator, the m
 them. For xreduce,
 where a step's time goes: in the bridge
 (the Python function the traced step calls: numpy in, the SDK call, results out), in the SDK's call (transport and
-daemon), and in the daemon's reduction (its ``xreduce_reduction_seconds`` of BatchReduce).
+daemon), and in the daemon's reduction (its ``xreduce_reduction_seconds`` of BatchReduce); a step that takes
+xreduce's TF kernel has no Python to time: the kernel's own parts instead (copying in, the exchange with the daemon,
+copying out; ``xreduce.tensorflow._kernel.times``).
 
     python bench/keras_step.py --rounds 3 > bench/results/keras-step.txt
 """
@@ -37,6 +39,7 @@ import tempfile
 import urllib.request
 
 from xreduce_bench.daemon import DaemonProcess
+from xreduce_bench.keras_job import KERNEL_PARTS
 
 TIMES = ("steady_step_seconds", "seconds_per_step", "median_step_seconds")
 """A job's times of a step, as printed: steady, epoch mean, median."""
@@ -164,8 +167,12 @@ def main() -> int:
                             profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
                                             statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
                             label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
-                            where = (f"bridge {profile[-1][0] * 1e3:.2f} ms, SDK call {profile[-1][1] * 1e3:.2f} ms"
-                                     if profile[-1][0] else "xreduce's TF kernel: no Python in the step")
+                            kernel = [statistics.mean(f[part] or 0.0 for f in fits) * 1e3 for part in KERNEL_PARTS]
+                            where = "; ".join(
+                                ([("xreduce's TF kernel: copy in {:.2f} ms, exchange {:.2f} ms, copy out {:.2f} ms"
+                                   ).format(*kernel)] if any(kernel) else []) +
+                                ([f"bridge {profile[-1][0] * 1e3:.2f} ms, SDK call {profile[-1][1] * 1e3:.2f} ms"]
+                                 if profile[-1][0] else [])) or "no call timed"
                             print(f"{model:6s} {name:26s} {label}: xreduce {_ms(mine[-1])} ms, peer "
                                   f"{_ms(theirs[-1])} ms, ratio "
                                   f"{' / '.join(f'{a / b:.2f}' for a, b in zip(mine[-1], theirs[-1]))} "

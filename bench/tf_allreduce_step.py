@@ -5,7 +5,9 @@ What a Keras step pays for its all-reduce, without the model: each way is a ``tf
 ``strategy.run`` of ``ReplicaContext.all_reduce("sum", [gradient])`` and adds the result to a variable. The kernel
 and the bridge are both ``xreduce.tensorflow.HierarchicalCopyAllReduce`` (``XREDUCE_TF_KERNEL`` off while the
 bridge's step is traced). ``--rounds`` rounds of ``--steps`` steps each way, in turn; the medians of the rounds'
-milliseconds per step, and their ratios to TF's. A daemon is started for the run unless ``XREDUCE_ADDRESS`` is set.
+milliseconds per step, and their ratios to TF's; then the kernel's call in its parts (copying in, the exchange with
+the daemon, copying out: ``xreduce.tensorflow._kernel.times``). A daemon is started for the run unless
+``XREDUCE_ADDRESS`` is set.
 
     python bench/tf_allreduce_step.py --rounds 10 --steps 100 --elements 82689
 """
@@ -33,6 +35,7 @@ def main() -> int:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import xreduce.tensorflow
+    from xreduce.tensorflow import _kernel
     from xreduce_bench.daemon import DaemonProcess
 
     with contextlib.ExitStack() as stack:
@@ -66,17 +69,24 @@ def main() -> int:
                  "bridge": step_of(xreduce.tensorflow.HierarchicalCopyAllReduce(), False),
                  "tf": step_of(tf.distribute.HierarchicalCopyAllReduce(), True)}
         times: dict[str, list[float]] = {k: [] for k in steps}
+        parts = [0.0, 0.0, 0.0]  # the kernel's steps: copying in, the exchange, copying out (seconds, summed)
         for _ in range(args.rounds):
             for name, step in steps.items():
+                before = _kernel.times()
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     step()
                 times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+                if name == "kernel":
+                    parts = [p + b - a for p, a, b in zip(parts, before, _kernel.times())]
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"# bench/tf_allreduce_step.py: {args.elements} float32 over 2 logical CPUs, {args.rounds} rounds of "
           f"{args.steps} steps each way; milliseconds per step, median of the rounds (min-max)")
     for name, v in times.items():
         print(f"{name:7s} {median[name]:7.3f} ms ({min(v):.3f}-{max(v):.3f}), {median[name] / median['tf']:.2f}x TF's")
+    calls = args.rounds * args.steps
+    print("kernel's call (mean): copy in {:.3f} ms, exchange with the daemon {:.3f} ms, copy out {:.3f} ms".format(
+        *(p / calls * 1e3 for p in parts)))
     return 0
 
 

@@ -103,11 +103,16 @@ def build(keras, model: str):
 
 class Profile:
     """Seconds spent in xreduce's bridge (the Python function a traced step calls: numpy in, the SDK call,
-    results out) and, within it, in the SDK's calls (transport and daemon), from when :meth:`reset` was called."""
+    results out) and, within it, in the SDK's calls (transport and daemon), from when :meth:`reset` was called; for
+    steps that take xreduce's TF kernel instead, its calls' parts (``kernel``: copying in, the exchange with the
+    daemon, copying out; :func:`xreduce.tensorflow._kernel.times`)."""
 
     def __init__(self):
         self.bridge = self.sdk = 0.0
         self.calls = 0
+        self.kernel = (0.0, 0.0, 0.0)
+        self._kernel_at = (0.0, 0.0, 0.0)
+        self.installed = False
 
     def install(self) -> None:
         from xreduce import _ops, _prepared
@@ -144,10 +149,37 @@ class Profile:
         _bridge.numpy_call = timed_numpy_call
         _ops.CrossDeviceOps.batch_reduce = timed_batch_reduce
         _prepared.PreparedBatch.__call__ = timed_prepared_call
+        self.installed = True
 
     def reset(self) -> None:
         self.bridge = self.sdk = 0.0
         self.calls = 0
+        self.kernel, self._kernel_at = (0.0, 0.0, 0.0), self._kernel_times()
+
+    def stop(self) -> None:
+        """Keeps the kernel's parts since :meth:`reset`."""
+        self.kernel = tuple(b - a for a, b in zip(self._kernel_at, self._kernel_times()))
+
+    def _kernel_times(self) -> tuple[float, float, float]:
+        if not self.installed:
+            return (0.0, 0.0, 0.0)
+        from xreduce.tensorflow import _kernel
+
+        return tuple(_kernel.times())
+
+    def per_step(self, steps: int) -> dict[str, float | None]:
+        """The profile's seconds per step, as a job's events carry them."""
+        if not steps:
+            return dict.fromkeys(("bridge_seconds_per_step", "sdk_seconds_per_step", "bridge_calls_per_step",
+                                  *KERNEL_PARTS))
+        return dict(bridge_seconds_per_step=self.bridge / steps, sdk_seconds_per_step=self.sdk / steps,
+                    bridge_calls_per_step=self.calls / steps,
+                    **{k: t / steps for k, t in zip(KERNEL_PARTS, self.kernel)})
+
+
+KERNEL_PARTS = ("kernel_copy_in_seconds_per_step", "kernel_exchange_seconds_per_step",
+                "kernel_copy_out_seconds_per_step")
+"""The kernel's parts of a step, as a job's events name them."""
 
 
 def count_prepared_calls() -> list[int]:
@@ -225,15 +257,16 @@ def timed(args: argparse.Namespace, model, profile: Profile, training, x, y) -> 
     start = time.perf_counter()
     model.fit(x, y, batch_size=args.batch, epochs=args.timed_epochs, shuffle=False, verbose=0, callbacks=[training])
     elapsed = time.perf_counter() - start
+    profile.stop()
     steps = args.timed_epochs * -(-len(x) // args.batch)
     median = float(np.median(np.diff(training.ends)))
-    bridge, sdk, calls = profile.bridge, profile.sdk, profile.calls
+    bridge, sdk, calls, kernel = profile.bridge, profile.sdk, profile.calls, profile.kernel
     few = max(1, args.steps // 4)
     start = time.perf_counter()
     model.fit(x[:few * args.batch], y[:few * args.batch], batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
     short = time.perf_counter() - start
     slope = (elapsed / args.timed_epochs - short) / (args.steps - few)
-    profile.bridge, profile.sdk, profile.calls = bridge, sdk, calls
+    profile.bridge, profile.sdk, profile.calls, profile.kernel = bridge, sdk, calls, kernel
     return elapsed / steps, median, slope, steps
 
 
@@ -253,8 +286,7 @@ def alternate(args: argparse.Namespace, keras, tf, model, profile: Profile, x, y
         theirs = timed(one, peer, quiet, _Training(keras), x, y)
         emit(event="round", round=r, seconds_per_step=mine[0], steady_step_seconds=mine[2],
              median_step_seconds=mine[1], peer_seconds_per_step=theirs[0], peer_steady_step_seconds=theirs[2],
-             peer_median_step_seconds=theirs[1],
-             bridge_seconds_per_step=profile.bridge / mine[3], sdk_seconds_per_step=profile.sdk / mine[3])
+             peer_median_step_seconds=theirs[1], **profile.per_step(mine[3]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(event="fit", history=history.history, seconds_per_step=seconds, median_step_seconds=median,
              steady_step_seconds=slope,
              replicas=strategy.num_replicas_in_sync, parameters=model.count_params(),
-             bridge_seconds_per_step=profile.bridge / steps if steps else None,
-             sdk_seconds_per_step=profile.sdk / steps if steps else None,
-             bridge_calls_per_step=profile.calls / steps if steps else None, prepared_calls=prepared[0],
+             **profile.per_step(steps), prepared_calls=prepared[0],
              kernel_calls=kernel_calls(args.strategy))
         if args.out:
             np.savez(args.out, *[np.asarray(w) for w in model.get_weights()])

@@ -85,10 +85,12 @@ def test_a_batch_of_several_mib_is_copied_in_blocks_and_gives_the_exact_sums(dae
                 tf.reshape(tf.range(70_001 * 2, dtype=tf.float64), (70_001, 2)) - replica]
 
     step = step_of(strategy, values)
-    before = _kernel.calls()
+    before, spent = _kernel.calls(), _kernel.times()
     for _ in range(2):
         out = step()
     assert _kernel.calls() - before == 2
+    # each part of the two calls timed: the exchange waits for the daemon, which reads what was copied in
+    assert all(after > earlier for after, earlier in zip(_kernel.times(), spent))
     want = [(np.arange(300_001) % 1009).astype(np.float32) * 3, np.arange(70_001 * 2.0).reshape(70_001, 2) * 2 - 1]
     for value, w in zip(out, want):
         for got in value.values:

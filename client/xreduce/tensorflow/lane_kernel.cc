@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -52,6 +53,13 @@ constexpr size_t kParallelCopyBytes = 1 << 20;  // a call's inputs or outputs co
 constexpr size_t kCopyBlockBytes = 256 << 10;
 
 std::atomic<int64_t> calls{0};  // calls answered with results, by every kernel of this process
+// Their nanoseconds copying in, exchanging with the daemon, copying out (a call's parts, summed over those calls).
+std::atomic<int64_t> copy_in_ns{0}, exchange_ns{0}, copy_out_ns{0};
+
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 REGISTER_OP("XreduceLaneCall")
     .Input("inputs: T")
@@ -162,6 +170,7 @@ class LaneCallOp : public OpKernel {
         return;
       }
     }
+    const int64_t start = NowNanos();
     std::vector<Piece> pieces;
     for (int i = 0; i < ctx->num_inputs(); ++i) {
       auto bytes = ctx->input(i).tensor_data();
@@ -171,8 +180,10 @@ class LaneCallOp : public OpKernel {
       pieces.push_back({staging_.data + input_offsets_[i], bytes.data(), bytes.size()});
     }
     Copy(ctx, pieces);
+    const int64_t copied_in = NowNanos();
     std::string reply;
     absl::Status s = Exchange(&reply);
+    const int64_t exchanged = NowNanos();
     if (!s.ok()) {
       // No answer: the daemon may still read the staging segment and write the output one, so this kernel
       // gives them up for good (Python's prepared path does the same); a step traced again prepares new ones.
@@ -201,6 +212,9 @@ class LaneCallOp : public OpKernel {
       pieces.push_back({const_cast<char*>(bytes.data()), output_.data + output_offsets_[i], bytes.size()});
     }
     Copy(ctx, pieces);
+    copy_in_ns.fetch_add(copied_in - start, std::memory_order_relaxed);
+    exchange_ns.fetch_add(exchanged - copied_in, std::memory_order_relaxed);
+    copy_out_ns.fetch_add(NowNanos() - exchanged, std::memory_order_relaxed);
     calls.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -377,6 +391,13 @@ REGISTER_KERNEL_BUILDER(Name("XreduceLaneCall").Device(tensorflow::DEVICE_CPU), 
 
 // The calls this process's kernels made that the daemon answered with results (read through ctypes).
 extern "C" int64_t xreduce_lane_kernel_calls() { return calls.load(std::memory_order_relaxed); }
+
+// Those calls' nanoseconds copying in, exchanging with the daemon and copying out, into out[0..2].
+extern "C" void xreduce_lane_kernel_nanos(int64_t* out) {
+  out[0] = copy_in_ns.load(std::memory_order_relaxed);
+  out[1] = exchange_ns.load(std::memory_order_relaxed);
+  out[2] = copy_out_ns.load(std::memory_order_relaxed);
+}
 
 // The next number of a process's sequence counter (the kernels' and Python's collectives share it).
 extern "C" int64_t xreduce_next_sequence(int64_t* counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_SEQ_CST); }
