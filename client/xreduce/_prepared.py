@@ -192,15 +192,18 @@ class PreparedBatch:
 
     def _request(self, group: ProcessGroup | None) -> _Layout:
         """The request and where everything goes (:func:`_layout`), with this ops' algorithm (packing aside where
-        the dtypes differ: the values of one kind are fused already, and a pack holds one dtype); in ``group``,
-        without its collective, which each call adds (:meth:`_Fast.body`)."""
+        the dtypes differ: the values of one kind are fused already, and a pack holds one dtype) and
+        ``output_one_copy`` (only each pair's first destination's result is read); in ``group``, without its
+        collective, which each call adds (:meth:`_Fast.body`)."""
         algorithm = self._ops._algorithm()
         if algorithm.num_packs and len({s.dtype for s in self.specs}) > 1:
             algorithm = dataclasses.replace(algorithm, num_packs=0)
         if algorithm.reduce_to_device:
             algorithm = dataclasses.replace(algorithm, reduce_to_device=reduce_to(algorithm.reduce_to_device, group))
-        return _layout(pb.BatchReduceRequest(**_transports._fields(ReduceCall(self.op, (), algorithm, self._timeout))),
-                       self.specs, group)
+        # Only each pair's first destination is read (``__call__``): the daemon writes that one copy.
+        request = pb.BatchReduceRequest(**_transports._fields(ReduceCall(self.op, (), algorithm, self._timeout)),
+                                        output_one_copy=True)
+        return _layout(request, self.specs, group)
 
     def _drop(self, failed: bool = False) -> None:
         fast, self._fast, self._holder[0] = self._fast, None, None

@@ -448,11 +448,13 @@ class Slot:
 
 
 def layout(output: pb.RegionSlice, results: Sequence[tuple[Sequence[int], np.dtype, tuple[int, ...]]],
-           regions: CallRegions | None) -> list[dict[int, Slot]]:
+           regions: CallRegions | None, one_copy: bool = False) -> list[dict[int, Slot]]:
     """Places each result component in ``output`` as :func:`~xreduce.wire.layout.output_layout` says.
 
     Args:
         results: per result, (destination devices, dtype, shape).
+        one_copy: the request's ``output_one_copy``: every destination of a result gets its first destination's
+            :class:`Slot` (the same object, which the engine then writes once); the layout is the same.
 
     Returns:
         Per result, destination device -> its :class:`Slot`.
@@ -475,6 +477,9 @@ def layout(output: pb.RegionSlice, results: Sequence[tuple[Sequence[int], np.dty
         nbytes = math.prod(shape) * dtype.itemsize
         slots = {}
         for d, at in zip(dests, places):
+            if one_copy and slots:
+                slots[d] = next(iter(slots.values()))
+                continue
             view = _regions(regions, "output").view(output.name, output.offset + at, nbytes, dtype, shape, "output")
             slots[d] = Slot(output.name, output.offset + at, view)
         out.append(slots)

@@ -421,9 +421,11 @@ class Fused:
     def run(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
             mean: bool = False, deadline: Deadline | None = None) -> None:
         """Reduces ``inputs`` into ``sinks`` (arrays of the shape this was made for; see the class)."""
-        # One flat view per input and per sink; ravel copies an input only when it is not C-contiguous.
+        # One flat view per input and per sink array (destinations given one array, as output_one_copy gives
+        # them, share its view: it is written once); ravel copies an input only when it is not C-contiguous.
         sources = [[a.ravel() for a in component] for component in inputs]
-        flat_sinks = {d: [a.reshape(-1) for a in arrays] for d, arrays in sinks.items()}
+        flat = _Shared(lambda a: a.reshape(-1))
+        flat_sinks = {d: [flat(a) for a in arrays] for d, arrays in sinks.items()}
         run = _Runner(self.plan, sources, flat_sinks, mean, deadline or Deadline(None), self.aliased)
         if self.threads <= 1 or len(self.units) <= 1:
             run(self.units)
@@ -454,7 +456,8 @@ class _Runner:
                 sinks = [self.sinks[d][t] for d in self.plan.destinations]
             else:
                 inputs = [src[t][start:stop] for src in self.sources]
-                sinks = [self.sinks[d][t][start:stop] for d in self.plan.destinations]
+                cut = _Shared(lambda a: a[start:stop])  # noqa: B023 (used in this iteration only)
+                sinks = [cut(self.sinks[d][t]) for d in self.plan.destinations]
             dtype = inputs[0].dtype
             # The sum that is a result goes straight into the first destination that takes it (and a float
             # MEAN divides it there, in place): no scratch write and read, no array made per chunk.
@@ -516,6 +519,29 @@ class _Runner:
         except BaseException:
             self.failed = True  # the other threads stop at their next chunk
             raise
+
+
+class _Shared:
+    """``make(array)`` once per array: callers that pass the same array (destinations that share one sink, as
+    ``output_one_copy`` gives them) get the same view back, so the runner sees one sink and writes it once.
+
+    Example:
+        >>> a = np.zeros(4)
+        >>> flat = _Shared(lambda x: x.reshape(-1))
+        >>> flat(a) is flat(a), flat(a) is flat(np.zeros(4))
+        (True, False)
+    """
+
+    __slots__ = ("_make", "_made")
+
+    def __init__(self, make: Callable[[np.ndarray], np.ndarray]):
+        self._make, self._made = make, {}
+
+    def __call__(self, array: np.ndarray) -> np.ndarray:
+        view = self._made.get(id(array))
+        if view is None:
+            view = self._made[id(array)] = (array, self._make(array))
+        return view[1]
 
 
 def _aliased(sources: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]]) -> bool:

@@ -166,7 +166,10 @@ class Repeat:
             for p in self.pairs:
                 arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
                 pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
-                outs.append({d: by_name[o.region].view(o.offset, o.dtype, o.shape) for d, o in p.outputs})
+                made: dict[Piece, Any] = {}  # destinations of one place (output_one_copy) get one view, written once
+                for o in dict.fromkeys(o for _, o in p.outputs):
+                    made[o] = by_name[o.region].view(o.offset, o.dtype, o.shape)
+                outs.append({d: made[o] for d, o in p.outputs})
             yield pairs, outs
         finally:
             unpin(regions)
@@ -246,7 +249,8 @@ def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to:
         return None
     timeout = timeout_seconds(request.timeout) if request.HasField("timeout") else None
     replica_bytes = sum(int(v.arrays[0].nbytes) for v, _ in resolved)
-    region_bytes = sum(piece.nbytes for p in pairs for piece in p.inputs + tuple(o for _, o in p.outputs))
+    region_bytes = sum(piece.nbytes for p in pairs  # a place of several destinations (output_one_copy) once
+                       for piece in p.inputs + tuple(dict.fromkeys(o for _, o in p.outputs)))
     return Repeat(kind, op, num_packs, algorithm, reduce_to, timeout, tuple(dest_fields), tuple(pairs),
                   tuple((name, weakref.ref(region)) for name, region in names.items()), replica_bytes, held,
                   region_bytes)

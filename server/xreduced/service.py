@@ -631,6 +631,9 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 self.prepared.remember(shape, op, options.num_packs, options.algorithm, options.reduce_to, pairs,
                                        resolved, dest_fields)
             slots = [None] * len(resolved)
+            if request.output_one_copy and not request.HasField("output"):
+                raise InvalidArgument("output_one_copy: true without output; it says how results are written into "
+                                      "the output region: send output too, or leave output_one_copy unset")
             if request.HasField("output"):
                 for (value, _), field in zip(resolved, value_fields):
                     if is_sparse(value):
@@ -642,7 +645,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 slots = decode.layout(request.output, [
                     (dests, result_dtype(op, value.arrays[0].dtype, route), value.arrays[0].shape)
                     for (value, dests), route in zip(resolved, routes)
-                ], regions)
+                ], regions, one_copy=request.output_one_copy)
         outs = [decode.views(s) for s in slots]
         replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
         if group is None:

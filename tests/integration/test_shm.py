@@ -161,6 +161,45 @@ def test_reduce_reads_regions_and_writes_into_the_output_region(d, stub, session
     assert np.frombuffer(reply.result.components[1].tensor.raw_data, np.float32).tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("kind", ["Reduce", "BatchReduce"])
+@pytest.mark.parametrize("n", [1000, 300_000])  # one chunk of the fused path, and several
+def test_output_one_copy_writes_one_copy_and_names_it_for_every_destination(stub, session, kind, n):
+    """The same layout, the first destination's place written, the second's left as it was; MEAN too."""
+    inputs = session.segment(2 * 4 * n)
+    out = session.segment(2 * 4 * n + 128)
+    x = inputs.base[:8 * n].view(np.float32)
+    x[:n] = np.arange(n) % 1013
+    x[n:] = 0.5
+    out.base[:] = 0xAB
+    output = pb.RegionSlice(name=out.name, byte_size=out.size)
+    if kind == "Reduce":
+        reply = stub.Reduce(reduce_request(inputs.name, n, output, output_one_copy=True), metadata=session.md,
+                            timeout=30).result
+    else:
+        single = reduce_request(inputs.name, n)
+        reply = stub.BatchReduce(pb.BatchReduceRequest(
+            reduce_op=pb.REDUCE_OP_MEAN, pairs=[pb.ReducePair(value=single.value, destinations=DEVICES)],
+            output=output, output_one_copy=True), metadata=session.md, timeout=30).results[0].result
+    want = (np.arange(n) % 1013).astype(np.float32) + np.float32(0.5)
+    if kind == "BatchReduce":
+        want /= np.float32(2)
+    regions = [c.tensor.region for c in reply.components]
+    assert [c.device.rsplit("device:", 1)[-1] for c in reply.components] == DEVICES
+    assert len({(r.name, r.offset, r.byte_size) for r in regions}) == 1 and regions[0].offset == 0
+    assert out.base[:4 * n].view(np.float32).tobytes() == want.tobytes()
+    second = -(-4 * n // 64) * 64  # where the full layout puts the second destination: not written
+    assert (out.base[second:second + 4 * n] == 0xAB).all()
+
+
+def test_output_one_copy_without_output_is_invalid(stub, session):
+    inputs = session.segment(2 * 4 * 4)
+    code, details = code_and_details(lambda: stub.Reduce(reduce_request(inputs.name, 4, output_one_copy=True),
+                                                         metadata=session.md, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("output_one_copy: true without output"), details
+    assert_serves(stub)
+
+
 def test_broadcast_and_batch_reduce_through_regions(stub, session):
     seg = session.segment(1 << 16)
     seg.base[:16].view(np.float32)[:] = [1, 2, 3, 4]

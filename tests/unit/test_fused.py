@@ -386,7 +386,10 @@ def test_a_prepared_batch_reduces_new_values_as_batch_reduce_does(case):
     op, pairs, num_packs, rng, dests = case
     engine = Engine(NumpyBackend(8))
     dtype = result_dtype(op, pairs[0][0].arrays[0].dtype, planner.HIERARCHICAL_COPY)
-    out = [{d: np.empty(v.arrays[0].shape, dtype) for d in dests} for v, _ in pairs]
+    if rng.random() < 0.5:
+        out = [{d: np.empty(v.arrays[0].shape, dtype) for d in dests} for v, _ in pairs]
+    else:  # every destination given one array, as the daemon does for output_one_copy
+        out = [dict.fromkeys(dests, np.empty(v.arrays[0].shape, dtype)) for v, _ in pairs]
     prepared = engine.prepare(op, pairs, num_packs=num_packs, out=out)
     assert prepared is not None
     for _ in range(2):
@@ -407,6 +410,24 @@ def test_a_prepared_batch_that_writes_over_its_inputs_reads_them_first(engine):
     out = [{0: x[2], 1: x[1], 2: x[0]}]  # each result over another device's input
     engine.prepare(SUM, pairs, out=out).run(pairs, out)
     assert all(a.tolist() == want.tolist() for a in x)
+
+
+@pytest.mark.parametrize("elements", [6, 300_000])  # one chunk, and several
+def test_destinations_given_one_array_have_it_written_once(engine, monkeypatch, elements):
+    """output_one_copy's sinks: the sum goes into the one array, and no copy follows for the other destination
+    (the runner sees one sink); given an array each, the second gets its copy."""
+    x = [np.arange(elements, dtype=np.float32) * (k + 1) for k in range(2)]
+    pairs = [(Value((0, 1), tuple(x)), ())]
+    copies = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (copies.append(dst.size), real(dst, src, **kw)))
+    for shared in (True, False):
+        copies.clear()
+        out = [dict.fromkeys((0, 1), np.empty(elements, np.float32))] if shared else \
+            [{d: np.empty(elements, np.float32) for d in (0, 1)}]
+        engine.prepare(SUM, pairs, out=out).run(pairs, out)
+        assert all(a.tolist() == (x[0] * 3).tolist() for a in out[0].values())
+        assert sum(copies) == (0 if shared else elements)
 
 
 def test_what_cannot_be_prepared_is_left_to_batch_reduce(engine):

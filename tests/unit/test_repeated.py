@@ -94,6 +94,22 @@ def test_a_solo_region_request_leaves_a_repeat_that_reduces_new_bytes(served):
     assert views["out"][:N].tolist() == (np.arange(N) - 1.5).tolist() == views["out"][16:16 + N].tolist()
 
 
+def test_a_repeat_of_output_one_copy_writes_the_first_destinations_place_alone(served):
+    service, table, session = served
+    views = _regions(table, session)
+    request = _request()
+    request.output_one_copy = True
+    views["out"][:] = -9.0
+    views["in"][:N], views["in"][64:64 + N] = 1.0, 2.0
+    repeat = _call(service, session, request)
+    (pair,) = repeat.pairs
+    assert len({piece for _, piece in pair.outputs}) == 1  # both destinations name the first one's place
+    views["in"][:N], views["in"][64:64 + N] = np.arange(N), 0.5
+    service.repeat(repeat, session.id, None)
+    assert views["out"][:N].tolist() == (np.arange(N) + 0.5).tolist()
+    assert views["out"][16:16 + N].tolist() == [-9.0] * N  # the second destination's place: never written
+
+
 def test_a_repeat_is_stale_once_a_region_is_registered_again(served):
     service, table, session = served
     repeat = _call(service, session, _request())

@@ -199,7 +199,7 @@ class ListDevicesResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_access: _Optional[_Iterable[_Union[PeerRow, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output")
+    __slots__ = ("reduce_op", "value", "destinations", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output", "output_one_copy")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class ReduceRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ONE_COPY_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     value: DistributedValue
     destinations: _containers.RepeatedScalarFieldContainer[str]
@@ -218,7 +219,8 @@ class ReduceRequest(_message.Message):
     timeout: _duration_pb2.Duration
     collective: CollectiveSpec
     output: RegionSlice
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
+    output_one_copy: bool
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ..., output_one_copy: _Optional[bool] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
     __slots__ = ("result", "route")
@@ -237,7 +239,7 @@ class ReducePair(_message.Message):
     def __init__(self, value: _Optional[_Union[DistributedValue, _Mapping]] = ..., destinations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchReduceRequest(_message.Message):
-    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output")
+    __slots__ = ("reduce_op", "pairs", "num_packs", "algorithm", "reduce_to_device", "timeout", "collective", "output", "output_one_copy")
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     NUM_PACKS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +248,7 @@ class BatchReduceRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ONE_COPY_FIELD_NUMBER: _ClassVar[int]
     reduce_op: ReduceOp
     pairs: _containers.RepeatedCompositeFieldContainer[ReducePair]
     num_packs: int
@@ -254,7 +257,8 @@ class BatchReduceRequest(_message.Message):
     timeout: _duration_pb2.Duration
     collective: CollectiveSpec
     output: RegionSlice
-    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
+    output_one_copy: bool
+    def __init__(self, reduce_op: _Optional[_Union[ReduceOp, str]] = ..., pairs: _Optional[_Iterable[_Union[ReducePair, _Mapping]]] = ..., num_packs: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., reduce_to_device: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSpec, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ..., output_one_copy: _Optional[bool] = ...) -> None: ...
 
 class ReduceResult(_message.Message):
     __slots__ = ("result", "route")
