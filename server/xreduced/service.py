@@ -605,64 +605,85 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         """``reply((results, slots))`` of a reduction; a :class:`~xreduced.deferred.Deferred` of it for a lane
         call that waits for the other processes of its collective. ``describe()`` says the request's
         (value, destinations) pairs and their fields' names; a request of a shape validated before
-        (:mod:`xreduced.prepared`) never asks."""
+        (:mod:`xreduced.prepared`) never asks. Decoding (:meth:`_decode`) and placing the results
+        (:meth:`_slots`) fail the collective for its other processes; running it (:meth:`_run`) fails it in the
+        rendezvous."""
         group = decode.group(request)
         call = current_call()
-        regions = None if call is None else call.regions
-        shape = None if call is None else call.shape
-        prepared = self.prepared.get(shape)
         with self._failing(group):
             if group is not None and request.collective.abort:
                 raise _GaveUp(f"process {group.process_id} gave up {group.label}: {request.collective.abort}")
-            deadline = self._deadline(request, context, group)
-            if prepared is not None:  # a shape validated before: only the tensors' bytes are new
-                op, dest_fields = prepared.op, prepared.dest_fields
-                options = decode.Options(prepared.num_packs, prepared.algorithm, prepared.reduce_to, deadline)
-                pairs, resolved = prepared.decode(request)
-            else:
-                raw_pairs, value_fields, dest_fields = describe()
-                op = decode.op(request.reduce_op)
-                options = decode.options(request, self.devices, deadline)
-                pairs = [
-                    (decode.value(v, vf, self.devices, regions), decode.devices(d, df, self.devices))
-                    for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)
-                ]
-                resolved = self.engine.validate(op, pairs, options.num_packs, dest_fields)
-                self.prepared.remember(shape, op, options.num_packs, options.algorithm, options.reduce_to, pairs,
-                                       resolved, dest_fields)
-            slots = [None] * len(resolved)
-            if request.output_one_copy and not request.HasField("output"):
-                raise InvalidArgument("output_one_copy: true without output; it says how results are written into "
-                                      "the output region: send output too, or leave output_one_copy unset")
-            if request.HasField("output"):
-                for (value, _), field in zip(resolved, value_fields):
-                    if is_sparse(value):
-                        raise InvalidArgument(f"output: {field} is sparse (indexed_slices), whose result's size is "
-                                              "known only once reduced; send sparse values without an output region")
-                # Across processes a value always has several replicas: never the identity route.
-                routes = [planner.HIERARCHICAL_COPY] * len(resolved) if group is not None else self.engine.routes(
-                    op, pairs, algorithm=options.algorithm, num_packs=options.num_packs, dest_fields=dest_fields)
-                slots = decode.layout(request.output, [
-                    (dests, result_dtype(op, value.arrays[0].dtype, route), value.arrays[0].shape)
-                    for (value, dests), route in zip(resolved, routes)
-                ], regions, one_copy=request.output_one_copy)
+            decoded = self._decode(request, context, group, call, describe)
+            slots = self._slots(decoded, request, group, call)
+        return self._run(kind, decoded, slots, request, context, group, call, reply)
+
+    def _decode(self, request, context, group: decode.Group | None, call,
+                describe: Callable[[], tuple[list, list[str], list[str]]]) -> _Decoded:
+        """The request's reduction: from what a shape validated before kept (only the tensors' bytes are new),
+        else decoded and validated field by field (and its shape remembered)."""
+        regions = None if call is None else call.regions
+        shape = None if call is None else call.shape
+        deadline = self._deadline(request, context, group)
+        prepared = self.prepared.get(shape)
+        if prepared is not None:
+            pairs, resolved = prepared.decode(request)
+            return _Decoded(prepared.op, decode.Options(prepared.num_packs, prepared.algorithm, prepared.reduce_to,
+                                                        deadline), pairs, resolved, prepared.dest_fields)
+        raw_pairs, value_fields, dest_fields = describe()
+        op = decode.op(request.reduce_op)
+        options = decode.options(request, self.devices, deadline)
+        pairs = [(decode.value(v, vf, self.devices, regions), decode.devices(d, df, self.devices))
+                 for (v, d), vf, df in zip(raw_pairs, value_fields, dest_fields)]
+        resolved = self.engine.validate(op, pairs, options.num_packs, dest_fields)
+        self.prepared.remember(shape, op, options.num_packs, options.algorithm, options.reduce_to, pairs, resolved,
+                               dest_fields)
+        return _Decoded(op, options, pairs, resolved, dest_fields)
+
+    def _slots(self, decoded: _Decoded, request, group: decode.Group | None,
+               call) -> list[dict[int, decode.Slot] | None]:
+        """Where each result goes in the request's ``output`` region (None each without one)."""
+        if request.output_one_copy and not request.HasField("output"):
+            raise InvalidArgument("output_one_copy: true without output; it says how results are written into "
+                                  "the output region: send output too, or leave output_one_copy unset")
+        if not request.HasField("output"):
+            return [None] * len(decoded.resolved)
+        for value, _ in decoded.resolved:
+            if is_sparse(value):
+                raise InvalidArgument(f"output: {value.field} is sparse (indexed_slices), whose result's size is "
+                                      "known only once reduced; send sparse values without an output region")
+        op, options = decoded.op, decoded.options
+        # Across processes a value always has several replicas: never the identity route.
+        routes = [planner.HIERARCHICAL_COPY] * len(decoded.resolved) if group is not None else self.engine.routes(
+            op, decoded.pairs, algorithm=options.algorithm, num_packs=options.num_packs,
+            dest_fields=decoded.dest_fields)
+        return decode.layout(request.output, [
+            (dests, result_dtype(op, value.arrays[0].dtype, route), value.arrays[0].shape)
+            for (value, dests), route in zip(decoded.resolved, routes)
+        ], None if call is None else call.regions, one_copy=request.output_one_copy)
+
+    def _run(self, kind, decoded: _Decoded, slots: list[dict[int, decode.Slot] | None], request, context,
+             group: decode.Group | None, call, reply) -> Any:
+        """Reduces ``decoded`` (alone, or with the other processes of its collective) and replies; keeps a
+        repeat of it for a lane connection that keeps them."""
+        op, options, resolved, dest_fields = decoded.op, decoded.options, decoded.resolved, decoded.dest_fields
+        regions = None if call is None else call.regions
         outs = [decode.views(s) for s in slots]
-        replica_bytes = sum(_replica_bytes(v) for v, _ in pairs)
+        replica_bytes = sum(_replica_bytes(v) for v, _ in decoded.pairs)
+        keeps = getattr(context, "keeps_repeats", False) and regions is not None and request.HasField("output")
         if group is None:
             results = self._timed(kind, replica_bytes, lambda: self.engine.batch_reduce(
-                op, pairs, num_packs=options.num_packs, algorithm=options.algorithm, reduce_to=options.reduce_to,
-                deadline=options.deadline, dest_fields=dest_fields, out=outs))
-            if getattr(context, "keeps_repeats", False) and regions is not None and request.HasField("output"):
+                op, decoded.pairs, num_packs=options.num_packs, algorithm=options.algorithm,
+                reduce_to=options.reduce_to, deadline=options.deadline, dest_fields=dest_fields, out=outs))
+            if keeps:
                 context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
                                                options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
                                                call.held)
             return reply((results, slots))
         share = Contribution(kind, op, options.num_packs, options.algorithm, options.reduce_to, tuple(resolved),
-                             out=tuple(outs), shape=shape)
+                             out=tuple(outs), shape=None if call is None else call.shape)
         deadline = options.deadline
         cluster = self._cluster(group)
-        if (cluster is None and getattr(context, "keeps_repeats", False) and regions is not None
-                and request.HasField("output")):  # the lane keeps it once the collective has its reply
+        if cluster is None and keeps:  # the lane keeps it once the collective has its reply
             context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
                                            options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
                                            call.held)
@@ -805,6 +826,27 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 dtype=codec.dtype_enum(slot.view.dtype), shape=slot.view.shape,
                 region=pb.RegionSlice(name=slot.region, offset=slot.offset, byte_size=slot.view.nbytes))))
         return pb.DistributedValue(components=components)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    """A reduction request as :meth:`CrossDeviceOpsService._reduce` runs it, from either way of decoding it.
+
+    Example:
+        >>> import numpy as np
+        >>> value = Value((0, 1), (np.ones(2), np.ones(2)), "pairs[0].value")
+        >>> _Decoded("SUM", decode.Options(1, "hierarchical_copy", None, None), [(value, ())], [(value, (0, 1))],
+        ...          ["pairs[0].destinations"]).resolved[0][1]
+        (0, 1)
+    """
+
+    op: str
+    options: decode.Options
+    pairs: list
+    """(value, destinations as the request names them)."""
+    resolved: list
+    """(value, destinations resolved: the value's own devices for none)."""
+    dest_fields: list[str]
 
 
 class _GaveUp(Aborted):
