@@ -168,15 +168,18 @@ def main() -> int:
                                             statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
                             label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
                             kernel = [statistics.mean(f[part] or 0.0 for f in fits) * 1e3 for part in KERNEL_PARTS]
-                            where = "; ".join(
-                                ([("xreduce's TF kernel: copy in {:.2f} ms, exchange {:.2f} ms, copy out {:.2f} ms"
-                                   ).format(*kernel)] if any(kernel) else []) +
-                                ([f"bridge {profile[-1][0] * 1e3:.2f} ms, SDK call {profile[-1][1] * 1e3:.2f} ms"]
-                                 if profile[-1][0] else [])) or "no call timed"
+                            where = []
+                            if any(kernel):
+                                where.append("xreduce's TF kernel: copy in {:.2f} ms, exchange {:.2f} ms, copy out "
+                                             "{:.2f} ms".format(*kernel))
+                            if profile[-1][0]:
+                                where.append(f"bridge {profile[-1][0] * 1e3:.2f} ms, SDK call "
+                                             f"{profile[-1][1] * 1e3:.2f} ms")
                             print(f"{model:6s} {name:26s} {label}: xreduce {_ms(mine[-1])} ms, peer "
                                   f"{_ms(theirs[-1])} ms, ratio "
                                   f"{' / '.join(f'{a / b:.2f}' for a, b in zip(mine[-1], theirs[-1]))} "
-                                  f"({where}, daemon's reduction {profile[-1][2] * 1e3:.2f} ms)", flush=True)
+                                  f"({'; '.join(where) or 'no call timed'}, "
+                                  f"daemon's reduction {profile[-1][2] * 1e3:.2f} ms)", flush=True)
                     if not mine:
                         continue
                     ratios = [statistics.median(m[i] / t[i] for m, t in zip(mine, theirs)) for i in range(3)]

@@ -79,6 +79,11 @@ class _Pair:
     destinations: tuple[int, ...]
     outputs: tuple[tuple[int, Piece], ...]
 
+    @property
+    def places(self) -> tuple[Piece, ...]:
+        """The outputs' places, each once (destinations of one place: ``output_one_copy``)."""
+        return tuple(dict.fromkeys(o for _, o in self.outputs))
+
 
 @dataclasses.dataclass(frozen=True)
 class Repeat:
@@ -166,9 +171,7 @@ class Repeat:
             for p in self.pairs:
                 arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
                 pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
-                made: dict[Piece, Any] = {}  # destinations of one place (output_one_copy) get one view, written once
-                for o in dict.fromkeys(o for _, o in p.outputs):
-                    made[o] = by_name[o.region].view(o.offset, o.dtype, o.shape)
+                made = {o: by_name[o.region].view(o.offset, o.dtype, o.shape) for o in p.places}  # one view a place
                 outs.append({d: made[o] for d, o in p.outputs})
             yield pairs, outs
         finally:
@@ -249,8 +252,7 @@ def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to:
         return None
     timeout = timeout_seconds(request.timeout) if request.HasField("timeout") else None
     replica_bytes = sum(int(v.arrays[0].nbytes) for v, _ in resolved)
-    region_bytes = sum(piece.nbytes for p in pairs  # a place of several destinations (output_one_copy) once
-                       for piece in p.inputs + tuple(dict.fromkeys(o for _, o in p.outputs)))
+    region_bytes = sum(piece.nbytes for p in pairs for piece in p.inputs + p.places)
     return Repeat(kind, op, num_packs, algorithm, reduce_to, timeout, tuple(dest_fields), tuple(pairs),
                   tuple((name, weakref.ref(region)) for name, region in names.items()), replica_bytes, held,
                   region_bytes)

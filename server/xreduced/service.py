@@ -675,18 +675,14 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                 op, decoded.pairs, num_packs=options.num_packs, algorithm=options.algorithm,
                 reduce_to=options.reduce_to, deadline=options.deadline, dest_fields=dest_fields, out=outs))
             if keeps:
-                context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
-                                               options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
-                                               call.held)
+                context.repeat = self._kept(kind, request, decoded, slots, call)
             return reply((results, slots))
         share = Contribution(kind, op, options.num_packs, options.algorithm, options.reduce_to, tuple(resolved),
                              out=tuple(outs), shape=None if call is None else call.shape)
         deadline = options.deadline
         cluster = self._cluster(group)
         if cluster is None and keeps:  # the lane keeps it once the collective has its reply
-            context.repeat = repeated.kept(kind, request, op, options.num_packs, options.algorithm,
-                                           options.reduce_to, dest_fields, resolved, slots, regions.pinned(),
-                                           call.held)
+            context.repeat = self._kept(kind, request, decoded, slots, call)
         if cluster is not None and cluster.spans_nodes:
             def reduce(shares):
                 return across.reduce_across(cluster, self.engine, shares, group.label, deadline, group.sequence)
@@ -697,6 +693,14 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                             lambda shares: self._timed(kind, replica_bytes, lambda: reduce(shares)), cluster=cluster,
                             deferrable=True)
         return then(result, lambda r: reply((r, slots)))
+
+    @staticmethod
+    def _kept(kind, request, decoded: _Decoded, slots: list[dict[int, decode.Slot] | None],
+              call) -> repeated.Repeat | None:
+        """The repeat a lane connection keeps of this call (:func:`xreduced.repeated.kept`)."""
+        options = decoded.options
+        return repeated.kept(kind, request, decoded.op, options.num_packs, options.algorithm, options.reduce_to,
+                             decoded.dest_fields, decoded.resolved, slots, call.regions.pinned(), call.held)
 
     def repeat(self, repeat: repeated.Repeat, session_id: str, call_seconds: float | None) -> None:
         """Serves a kept repeat (:mod:`xreduced.repeated`) of session ``session_id``: the engine reduces its

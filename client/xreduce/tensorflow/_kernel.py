@@ -162,11 +162,10 @@ def calls() -> int:
         >>> calls() >= 0
         True
     """
-    with _lock:
-        path = _library[1] if len(_library) > 1 else None
-    if path is None:
+    loaded = _loaded()
+    if loaded is None:
         return 0
-    count = ctypes.CDLL(str(path)).xreduce_lane_kernel_calls  # the library TF loaded: dlopen hands it out again
+    count = loaded.xreduce_lane_kernel_calls
     count.restype = ctypes.c_int64
     return int(count())
 
@@ -196,13 +195,20 @@ def times() -> Times:
         >>> spent._fields, all(t >= 0 for t in spent)
         (('copy_in', 'exchange', 'copy_out'), True)
     """
-    with _lock:
-        path = _library[1] if len(_library) > 1 else None
-    if path is None:
+    loaded = _loaded()
+    if loaded is None:
         return Times(0.0, 0.0, 0.0)
     nanos = (ctypes.c_int64 * 3)()
-    ctypes.CDLL(str(path)).xreduce_lane_kernel_nanos(nanos)
+    loaded.xreduce_lane_kernel_nanos(nanos)
     return Times(*(n / 1e9 for n in nanos))
+
+
+def _loaded() -> ctypes.CDLL | None:
+    """The kernel library this process loaded, for its C functions (None before it is loaded): the library TF
+    loaded, which dlopen hands out again."""
+    with _lock:
+        path = _library[1] if len(_library) > 1 else None
+    return None if path is None else ctypes.CDLL(str(path))
 
 
 class SequenceCounter:
