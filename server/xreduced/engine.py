@@ -24,7 +24,7 @@ from xreduced import planner
 from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline, Fused, check_out, execute
+from xreduced.executor import Bound, Deadline, Fused, check_out, execute
 
 SUM = "SUM"
 MEAN = "MEAN"
@@ -574,9 +574,26 @@ class PreparedReduction:
             deadline: Deadline | None = None) -> None:
         """Reduces ``pairs`` into ``out``: the same devices, dtypes, shapes and destinations as the batch it was
         prepared from, and ``out`` arrays at the same places relative to the inputs (nothing here checks it)."""
+        self.fused.run(*self._arrays(pairs, out), self.mean, deadline)
+
+    def bind(self, pairs: Sequence[tuple[Value, Sequence[int]]], out: Sequence[Mapping[int, np.ndarray]]) -> Bound:
+        """:meth:`run` of these very arrays, worked out once (:meth:`xreduced.executor.Fused.bind`): a kept
+        repeat's views of its regions, reduced step after step.
+
+        Example:
+            >>> from xreduced.backends.numpy_backend import NumpyBackend
+            >>> v = Value((0, 1), (np.float32([1, 2]), np.float32([3, 4])))
+            >>> outs = [{0: np.empty(2, np.float32), 1: np.empty(2, np.float32)}]
+            >>> bound = Engine(NumpyBackend(2)).prepare(SUM, [(v, ())], out=outs).bind([(v, ())], outs)
+            >>> v.arrays[0][:] = 10; bound.run(), outs[0][0]
+            (True, array([13., 14.], dtype=float32))
+        """
+        return self.fused.bind(*self._arrays(pairs, out), self.mean)
+
+    def _arrays(self, pairs, out) -> tuple[list[list[np.ndarray]], dict[int, list[np.ndarray]]]:
+        """The fused run's inputs (``inputs[p][t]``) and sinks (destination -> one array per tensor)."""
         inputs = [[v.arrays[v.devices.index(d)] for v, _ in pairs] for d in self.devices]
-        sinks = {d: [o[d] for o in out] for d in self.destinations}
-        self.fused.run(inputs, sinks, self.mean, deadline)
+        return inputs, {d: [o[d] for o in out] for d in self.destinations}
 
 
 @functools.lru_cache(maxsize=128)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import math
 import os
 import threading
@@ -421,20 +422,94 @@ class Fused:
     def run(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
             mean: bool = False, deadline: Deadline | None = None) -> None:
         """Reduces ``inputs`` into ``sinks`` (arrays of the shape this was made for; see the class)."""
+        run = self._runner(inputs, sinks, mean)
+        run.deadline = deadline or Deadline(None)
+        if self.threads <= 1 or len(self.units) <= 1:
+            run(self.units)
+        else:
+            run.parallel(_split(self.units, self.threads), run)
+
+    def bind(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
+             mean: bool = False) -> Bound:
+        """:meth:`run` of these very arrays, worked out once for a caller that reduces them again and again (a
+        kept repeat: the same views of the same regions every step): :meth:`Bound.run` then only does the
+        arithmetic.
+
+        Example:
+            >>> from xreduced.planner import hierarchical_copy
+            >>> xs = [[np.ones(2, np.float32)], [np.ones(2, np.float32)]]
+            >>> outs = {0: [np.empty(2, np.float32)], 1: [np.empty(2, np.float32)]}
+            >>> bound = Fused(hierarchical_copy([0, 1], [2], 4), xs, outs).bind(xs, outs)
+            >>> xs[1][0][:] = 5; bound.run(), outs[1][0]
+            (True, array([6., 6.], dtype=float32))
+
+        Raises:
+            ValueError: an input or sink array is not C-contiguous (its flat view would be a copy, made once).
+        """
+        if not all(a.flags.c_contiguous for arrays in [*inputs, *sinks.values()] for a in arrays):
+            raise ValueError("Fused.bind: every input and sink array must be C-contiguous")
+        return Bound(self._runner(inputs, sinks, mean),
+                     _split(self.units, self.threads) if self.threads > 1 and len(self.units) > 1 else [self.units])
+
+    def _runner(self, inputs, sinks, mean: bool) -> _Runner:
         # One flat view per input and per sink array (destinations given one array, as output_one_copy gives
         # them, share its view: it is written once); ravel copies an input only when it is not C-contiguous.
         sources = [[a.ravel() for a in component] for component in inputs]
         flat = _Shared(lambda a: a.reshape(-1))
         flat_sinks = {d: [flat(a) for a in arrays] for d, arrays in sinks.items()}
-        run = _Runner(self.plan, sources, flat_sinks, mean, deadline or Deadline(None), self.aliased)
-        if self.threads <= 1 or len(self.units) <= 1:
-            run(self.units)
-        else:
-            run.parallel(self.units, self.threads)
+        return _Runner(self.plan, sources, flat_sinks, mean, Deadline(None), self.aliased)
+
+
+class Bound:
+    """A :class:`Fused` reduction of fixed arrays (:meth:`Fused.bind`): each chunk's numpy operations made once,
+    on views made once, with scratch of their own; :meth:`run` calls them. One call at a time: a caller that
+    finds it running (:meth:`run` returns False) reduces another way."""
+
+    def __init__(self, runner: _Runner, groups: list[list]):
+        self._runner = runner
+        self._groups = []
+        for units in groups:
+            scratch: dict = {}  # each thread's own
+            self._groups.append([(unit, runner.steps(unit, scratch)) for unit in units])
+        self._lock = threading.Lock()
+
+    def run(self, deadline: Deadline | None = None) -> bool:
+        """Reduces the bound inputs' current values into the bound sinks; False, with nothing done, while
+        another thread runs it."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            run = self._runner
+            run.deadline, run.failed = deadline or Deadline(None), False
+            if len(self._groups) == 1:
+                run.evaluate(self._groups[0])
+            else:
+                run.parallel(self._groups, run.evaluate)
+        finally:
+            self._lock.release()
+        return True
+
+
+def _split(units: list, threads: int) -> list[list]:
+    """``units`` in at most ``threads`` runs of about equal elements, in order.
+
+    Example:
+        >>> [len(g) for g in _split([(None, None, 0, 0, 4)] * 5, 2)]
+        [3, 2]
+    """
+    total = sum(stop - start for *_, start, stop in units)
+    groups: list[list] = [[]]
+    done = 0
+    for unit in units:
+        if done >= total * len(groups) / threads and len(groups) < threads:
+            groups.append([])
+        groups[-1].append(unit)
+        done += unit[4] - unit[3]
+    return groups
 
 
 class _Runner:
-    """Evaluates chunks of a plan; one instance per call, shared by its threads."""
+    """Evaluates chunks of a plan; one instance per call (or per :class:`Bound`), shared by its threads."""
 
     def __init__(self, plan, sources, sinks, mean, deadline, aliased=False):
         self.plan, self.sources, self.sinks, self.mean, self.deadline = plan, sources, sinks, mean, deadline
@@ -446,66 +521,74 @@ class _Runner:
 
     def __call__(self, units) -> None:
         scratch: dict[tuple[int, np.dtype], np.ndarray] = {}  # this thread's, reused chunk after chunk
-        n = len(self.plan.devices)
-        for pack, program, t, start, stop in units:
+        self.evaluate((unit, self.steps(unit, scratch)) for unit in units)
+
+    def evaluate(self, steps) -> None:
+        """Runs each chunk's operations, ``steps`` as (unit, :meth:`steps`) pairs, the deadline checked before
+        each chunk."""
+        for unit, operations in steps:
             if self.failed:
                 return
-            self.deadline.check(lambda: f"reducing pack {pack.index} of {len(self.plan.packs)}")  # noqa: B023
-            if start == 0 and stop == len(self.sources[0][t]):  # the whole tensor: no views to make
-                inputs = [src[t] for src in self.sources]
-                sinks = [self.sinks[d][t] for d in self.plan.destinations]
-            else:
-                inputs = [src[t][start:stop] for src in self.sources]
-                cut = _Shared(lambda a: a[start:stop])  # noqa: B023 (used in this iteration only)
-                sinks = [cut(self.sinks[d][t]) for d in self.plan.destinations]
-            dtype = inputs[0].dtype
-            # The sum that is a result goes straight into the first destination that takes it (and a float
-            # MEAN divides it there, in place): no scratch write and read, no array made per chunk.
-            direct = {}
-            if program.results and not self.aliased:
-                kind, p = program.results[0]
-                if kind == "sum" and (not self.mean or _divides_in_place(dtype, sinks[0].dtype)):
-                    direct[p] = sinks[0]
-            sums = []
-            for i, operands in enumerate(program.sums):
-                acc = direct.get(i)
-                if acc is None:
-                    buf = scratch.get((i, dtype))
-                    if buf is None or buf.size < stop - start:
-                        buf = scratch[(i, dtype)] = np.empty(stop - start, dtype)
-                    acc = buf[: stop - start]
-                first, second, *rest = (inputs[p] if kind == "in" else sums[p] for kind, p in operands)
-                np.add(first, second, out=acc, dtype=dtype)
-                for other in rest:
-                    np.add(acc, other, out=acc, dtype=dtype)
-                if self.mean and i in direct:
-                    np.true_divide(acc, dtype.type(n), out=acc)
-                sums.append(acc)
-            done: dict[tuple[str, int], np.ndarray] = {("sum", p): a for p, a in direct.items()}
-            for sink, (kind, p) in zip(sinks, program.results):
-                value = done.get((kind, p))
-                if value is None:
-                    value = inputs[p] if kind == "in" else sums[p]
-                    if self.mean:
-                        value = divide(np, value, n)
-                    done[(kind, p)] = value
-                if value is not sink:
-                    np.copyto(sink, value)
+            self.deadline.check(lambda: f"reducing pack {unit[0].index} of {len(self.plan.packs)}")  # noqa: B023
+            for operation in operations:
+                operation()
 
-    def parallel(self, units, threads: int) -> None:
-        """Splits ``units`` into ``threads`` runs of about equal elements; this thread takes the last."""
-        total = sum(stop - start for *_, start, stop in units)
-        groups: list[list] = [[]]
-        done = 0
-        for unit in units:
-            if done >= total * len(groups) / threads and len(groups) < threads:
-                groups.append([])
-            groups[-1].append(unit)
-            done += unit[4] - unit[3]
-        futures = [_POOL.submit(self._guarded, g) for g in groups[:-1]]
+    def steps(self, unit, scratch: dict) -> list[Callable[[], Any]]:
+        """One chunk's numpy operations, in order, as calls without arguments (``scratch``: the thread's sums'
+        buffers, reused chunk after chunk)."""
+        pack, program, t, start, stop = unit
+        n = len(self.plan.devices)
+        if start == 0 and stop == len(self.sources[0][t]):  # the whole tensor: no views to make
+            inputs = [src[t] for src in self.sources]
+            sinks = [self.sinks[d][t] for d in self.plan.destinations]
+        else:
+            inputs = [src[t][start:stop] for src in self.sources]
+            cut = _Shared(lambda a: a[start:stop])
+            sinks = [cut(self.sinks[d][t]) for d in self.plan.destinations]
+        dtype = inputs[0].dtype
+        # The sum that is a result goes straight into the first destination that takes it (and a float MEAN
+        # divides it there, in place): no scratch write and read, no array made per chunk.
+        direct = {}
+        if program.results and not self.aliased:
+            kind, p = program.results[0]
+            if kind == "sum" and (not self.mean or _divides_in_place(dtype, sinks[0].dtype)):
+                direct[p] = sinks[0]
+        operations: list[Callable[[], Any]] = []
+        sums = []
+        for i, operands in enumerate(program.sums):
+            acc = direct.get(i)
+            if acc is None:
+                buf = scratch.get((i, dtype))
+                if buf is None or buf.size < stop - start:
+                    buf = scratch[(i, dtype)] = np.empty(stop - start, dtype)
+                acc = buf[: stop - start]
+            first, second, *rest = (inputs[p] if kind == "in" else sums[p] for kind, p in operands)
+            operations.append(functools.partial(np.add, first, second, out=acc, dtype=dtype))
+            operations.extend(functools.partial(np.add, acc, other, out=acc, dtype=dtype) for other in rest)
+            if self.mean and i in direct:
+                operations.append(functools.partial(np.true_divide, acc, dtype.type(n), out=acc))
+            sums.append(acc)
+        written = {id(a) for a in direct.values()}
+        for sink, (kind, p) in zip(sinks, program.results):
+            if id(sink) in written:
+                continue
+            value = direct.get(p) if kind == "sum" else None
+            if value is None:
+                value = inputs[p] if kind == "in" else sums[p]
+                if self.mean:
+                    operations.append(functools.partial(_copy_divided, sink, value, n))
+                    written.add(id(sink))
+                    continue
+            operations.append(functools.partial(np.copyto, sink, value))
+            written.add(id(sink))
+        return operations
+
+    def parallel(self, groups: list[list], work: Callable[[list], None]) -> None:
+        """``work(group)`` for each of ``groups`` on the pool's threads; this thread takes the last."""
+        futures = [_POOL.submit(self._guarded, work, g) for g in groups[:-1]]
         error = None
         try:
-            self._guarded(groups[-1])
+            self._guarded(work, groups[-1])
         except BaseException as e:  # raised once every thread has stopped writing
             error = e
         for f in futures:
@@ -513,12 +596,17 @@ class _Runner:
         if error is not None:
             raise error
 
-    def _guarded(self, units) -> None:
+    def _guarded(self, work: Callable[[list], None], group: list) -> None:
         try:
-            self(units)
+            work(group)
         except BaseException:
             self.failed = True  # the other threads stop at their next chunk
             raise
+
+
+def _copy_divided(sink: np.ndarray, value: np.ndarray, n: int) -> None:
+    """MEAN's result that is not divided in place: ``value / n`` (:func:`divide`) copied into ``sink``."""
+    np.copyto(sink, divide(np, value, n))
 
 
 class _Shared:

@@ -38,6 +38,7 @@ import re
 import secrets
 import stat
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,9 +82,27 @@ class Region:
     check: Any = None
     in_use: int = 0
     unregistered: bool = False
+    holders: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, repr=False)
+    """Objects that keep views of the region between calls (a kept repeat's bound reduction): each one's
+    ``drop()`` is called when it closes, before it is unmapped (:meth:`hold`)."""
+
+    def hold(self, holder) -> None:
+        """Has ``holder.drop()`` called (its views let go) when the region closes; ``holder`` is weakly held.
+
+        Example:
+            >>> class Views:
+            ...     def drop(self): print("dropped")
+            >>> region, views = Region("r", "shm", "k", 0, 4, view=None), Views()
+            >>> region.hold(views); region.close()
+            dropped
+        """
+        self.holders.add(holder)
 
     def close(self) -> None:
-        """Unmaps the region (numpy views of it must be gone)."""
+        """Unmaps the region (numpy views of it must be gone: its holders drop theirs first)."""
+        for holder in list(self.holders):
+            holder.drop()
+        self.holders.clear()
         if self.closer is not None:
             closer, self.closer = self.closer, None
             closer()

@@ -111,6 +111,8 @@ class Repeat:
     prepared: list = dataclasses.field(default_factory=list, compare=False, repr=False)
     """Filled by the first :meth:`run`: the engine's :class:`~xreduced.engine.PreparedReduction`, or None
     when the engine cannot prepare it."""
+    binding: _Binding = dataclasses.field(default_factory=lambda: _Binding(), compare=False, repr=False)
+    """The prepared reduction bound to views of the regions, kept between runs (:meth:`run`)."""
 
     def deadline(self, call_seconds: float | None) -> Deadline:
         """The call's deadline, as :func:`xreduced.decode.deadline` makes it for a solo call.
@@ -126,26 +128,35 @@ class Repeat:
             call_seconds: float | None) -> None:
         """Reduces the regions' current bytes into the output slots: ``pin(names)`` pins the session's regions of
         those names (None when one is gone), ``unpin`` releases them, ``engine`` reduces. Its first run prepares
-        the reduction (:meth:`xreduced.engine.Engine.prepare`: checked and planned once, the views at the same
-        places every time, since the regions are the ones validated); later ones only run it.
+        the reduction (:meth:`xreduced.engine.Engine.prepare`: checked and planned once) and binds it to views
+        of the regions (:meth:`xreduced.engine.PreparedReduction.bind`: the regions are the ones validated, so
+        the views stay right until one of them closes, which drops them); later runs only do the arithmetic.
 
         Raises:
             Stale: a region is not the one validated (unregistered, registered again, the session ended).
             Whatever the region checks or the engine raise (the full path then answers the call).
         """
-        with self.views(pin, unpin) as (pairs, outs):
+        regions = self._pin(pin, unpin)
+        try:
             deadline = self.deadline(call_seconds)
-            if not self.prepared:
-                self.prepared.append(engine.prepare(self.op, pairs, num_packs=self.num_packs,
-                                                    algorithm=self.algorithm, reduce_to=self.reduce_to,
-                                                    dest_fields=list(self.dest_fields), out=outs))
-            prepared = self.prepared[0]
-            if prepared is not None:
-                prepared.run(pairs, outs, deadline)
-            else:
-                engine.batch_reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm,
-                                    reduce_to=self.reduce_to, deadline=deadline, dest_fields=list(self.dest_fields),
-                                    out=outs)
+            bound = self.binding.bound
+            if bound is None:
+                pairs, outs = self._views(regions)
+                if not self.prepared:
+                    self.prepared.append(engine.prepare(self.op, pairs, num_packs=self.num_packs,
+                                                        algorithm=self.algorithm, reduce_to=self.reduce_to,
+                                                        dest_fields=list(self.dest_fields), out=outs))
+                prepared = self.prepared[0]
+                if prepared is None:
+                    engine.batch_reduce(self.op, pairs, num_packs=self.num_packs, algorithm=self.algorithm,
+                                        reduce_to=self.reduce_to, deadline=deadline,
+                                        dest_fields=list(self.dest_fields), out=outs)
+                    return
+                bound = self.binding.bind(prepared.bind(pairs, outs), regions)
+            if not bound.run(deadline):  # another thread runs it now: views of this call's own
+                self.prepared[0].run(*self._views(regions), deadline)
+        finally:
+            unpin(regions)
 
     @contextlib.contextmanager
     def views(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None]):
@@ -155,27 +166,69 @@ class Repeat:
         Raises:
             Stale: a region is not the one validated; or what the region checks raise.
         """
-        names = [name for name, _ in self.regions]
-        regions = pin(names)
+        regions = self._pin(pin, unpin)
+        try:
+            yield self._views(regions)
+        finally:
+            unpin(regions)
+
+    def _pin(self, pin: Callable[[Sequence[str]], list | None], unpin: Callable[[list], None]) -> list:
+        """The request's regions, pinned and checked: each the one validated, none shrunk (unpinned again when
+        not)."""
+        regions = pin([name for name, _ in self.regions])
         if regions is None:
             raise Stale("a region is gone")
         try:
-            by_name = {}
             for (name, ref), region in zip(self.regions, regions):
                 if region is not ref():
                     raise Stale(f"region {name!r} was registered again")
                 if region.check is not None:
                     region.check()
-                by_name[name] = region
-            pairs, outs = [], []
-            for p in self.pairs:
-                arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
-                pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
-                made = {o: by_name[o.region].view(o.offset, o.dtype, o.shape) for o in p.places}  # one view a place
-                outs.append({d: made[o] for d, o in p.outputs})
-            yield pairs, outs
-        finally:
+        except BaseException:
             unpin(regions)
+            raise
+        return regions
+
+    def _views(self, regions: list) -> tuple[list, list]:
+        """The (value, destinations) pairs and output slots, as views of ``regions`` (pinned)."""
+        by_name = {name: region for (name, _), region in zip(self.regions, regions)}
+        pairs, outs = [], []
+        for p in self.pairs:
+            arrays = tuple(by_name[i.region].view(i.offset, i.dtype, i.shape) for i in p.inputs)
+            pairs.append((Value(p.devices, arrays, p.field, p.parts), p.destinations))
+            made = {o: by_name[o.region].view(o.offset, o.dtype, o.shape) for o in p.places}  # one view a place
+            outs.append({d: made[o] for d, o in p.outputs})
+        return pairs, outs
+
+
+class _Binding:
+    """A repeat's reduction bound to views of its regions (:meth:`xreduced.engine.PreparedReduction.bind`),
+    kept between its runs; each region drops it when it closes (:meth:`xreduced.regions.Region.hold`), so a
+    region is never kept mapped by it.
+
+    Example:
+        >>> binding = _Binding()
+        >>> binding.bind("bound", [])
+        'bound'
+        >>> binding.drop(); binding.bound is None
+        True
+    """
+
+    __slots__ = ("bound", "__weakref__")
+
+    def __init__(self):
+        self.bound = None
+
+    def bind(self, bound, regions: Sequence) -> Any:
+        """Keeps ``bound``, made from views of ``regions``; returns it."""
+        for region in regions:
+            region.hold(self)
+        self.bound = bound
+        return bound
+
+    def drop(self) -> None:
+        """Lets the views go (a region closes)."""
+        self.bound = None
 
 
 @dataclasses.dataclass(frozen=True)

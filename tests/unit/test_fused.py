@@ -22,7 +22,7 @@ from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import BroadcastShare, Contribution, broadcast_together, reduce_together
 from xreduced.engine import MEAN, SUM, Engine, Value, result_dtype
 from xreduced.errors import DeadlineExceeded, InvalidArgument
-from xreduced.executor import Deadline, execute, execute_fused, execute_generic
+from xreduced.executor import Deadline, Fused, execute, execute_fused, execute_generic
 
 DTYPES = [np.dtype(d) for d in (
     np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
@@ -392,15 +392,60 @@ def test_a_prepared_batch_reduces_new_values_as_batch_reduce_does(case):
         out = [dict.fromkeys(dests, np.empty(v.arrays[0].shape, dtype)) for v, _ in pairs]
     prepared = engine.prepare(op, pairs, num_packs=num_packs, out=out)
     assert prepared is not None
-    for _ in range(2):
+    bound = prepared.bind(pairs, out)  # as a kept repeat runs it: bound to these arrays once
+    for step in range(4):
         for v, _ in pairs:
             for a in v.arrays:
                 a[...] = values(rng, a.dtype, a.shape)
         want = engine.batch_reduce(op, pairs, num_packs=num_packs)
-        prepared.run(pairs, out)
+        if step % 2:
+            assert bound.run()
+        else:
+            prepared.run(pairs, out)
         for i, (w, mine) in enumerate(zip(want, out)):
             for d, arr in zip(w.devices, w.arrays):
-                assert same_bits(mine[d], arr), f"pair {i} on device {d}"
+                assert same_bits(mine[d], arr), f"step {step}: pair {i} on device {d}"
+
+
+@pytest.mark.parametrize("op", [SUM, MEAN])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_a_bound_reduction_on_several_threads_matches_execute_fused(op, dtype):
+    """Fused.bind with the chunks spread over threads (each with scratch of its own: 3 devices sum through it),
+    run again on new values: the bits execute_fused gives."""
+    rng = np.random.default_rng(7)
+    plan = planner.hierarchical_copy([0, 1, 2], [1000, 37], np.dtype(dtype).itemsize, num_packs=2)
+    inputs = [[np.empty(1000, dtype), np.empty(37, dtype)] for _ in range(3)]
+    result = np.dtype(mean_dtype(np.dtype(dtype))) if op == MEAN else np.dtype(dtype)
+    sinks = {d: [np.empty(1000, result), np.empty(37, result)] for d in plan.destinations}
+    bound = Fused(plan, inputs, sinks, chunk_bytes=256, threads=3).bind(inputs, sinks, op == MEAN)
+    for _ in range(3):
+        for component in inputs:
+            for a in component:
+                a[...] = values(rng, a.dtype, a.shape)
+        want = execute_fused(plan, inputs, op == MEAN)
+        assert bound.run()
+        for d in plan.destinations:
+            assert all(same_bits(got, w) for got, w in zip(sinks[d], want[d])), f"device {d}"
+
+
+def test_only_contiguous_arrays_are_bound():
+    """A flat view of a strided array would be a copy made once: later values would never be read."""
+    plan = planner.hierarchical_copy([0, 1], [4], 4)
+    inputs = [[np.zeros(8, np.float32)[::2]], [np.zeros(4, np.float32)]]
+    sinks = {d: [np.empty(4, np.float32)] for d in plan.destinations}
+    with pytest.raises(ValueError, match="C-contiguous"):
+        Fused(plan, inputs, sinks).bind(inputs, sinks)
+
+
+def test_a_bound_reduction_another_thread_runs_is_left_alone(engine):
+    """One run at a time: a second caller is told to reduce another way, and nothing is written."""
+    x = [np.ones(4, np.float32), np.full(4, 2, np.float32)]
+    pairs, out = [(Value((0, 1), tuple(x)), ())], [{0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)}]
+    bound = engine.prepare(SUM, pairs, out=out).bind(pairs, out)
+    with bound._lock:
+        assert bound.run() is False
+    assert out[0][0].tolist() == [0.0] * 4
+    assert bound.run() and out[0][1].tolist() == [3.0] * 4
 
 
 def test_a_prepared_batch_that_writes_over_its_inputs_reads_them_first(engine):

@@ -110,6 +110,26 @@ def test_a_repeat_of_output_one_copy_writes_the_first_destinations_place_alone(s
     assert views["out"][16:16 + N].tolist() == [-9.0] * N  # the second destination's place: never written
 
 
+def test_a_repeat_binds_its_views_once_and_lets_them_go_when_a_region_closes(served):
+    """The first run binds the reduction to views of the regions; later runs reduce new bytes through them; a
+    region unregistered drops them, so its mapping goes (nothing of the repeat keeps it mapped)."""
+    service, table, session = served
+    repeat = _call(service, session, _request())
+    key = session.regions["in"].key
+    service.repeat(repeat, session.id, None)
+    bound = repeat.binding.bound
+    assert bound is not None
+    views = _regions(table, session)
+    views["in"][:N], views["in"][64:64 + N] = 3.0, np.arange(N)
+    service.repeat(repeat, session.id, None)
+    assert repeat.binding.bound is bound and views["out"][:N].tolist() == (np.arange(N) + 3.0).tolist()
+    del views, bound  # the test's own references to the mapping
+    table.unregister(session.id, "in")
+    assert repeat.binding.bound is None
+    with open("/proc/self/maps") as f:
+        assert key not in f.read()  # unmapped: no view of it is left
+
+
 def test_a_repeat_is_stale_once_a_region_is_registered_again(served):
     service, table, session = served
     repeat = _call(service, session, _request())
