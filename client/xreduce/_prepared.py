@@ -334,7 +334,10 @@ class _Layout:
 def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: ProcessGroup | None = None) -> _Layout:
     """``request`` (its op and options set) filled in: the specs of one kind (devices, destinations, dtype) as one
     pair whose value is *fused* (each replica's arrays back to back, one flat tensor, ``fused_parts`` naming
-    them), a spec alone as its own pair; each replica's tensor at an aligned offset of the staging segment. In a
+    them), a spec alone as its own pair; each replica's tensor at an aligned offset of the staging segment. A fused
+    pair's parts of a multiple of :data:`OUTPUT_ALIGNMENT` bytes come first, so that each of them starts aligned too,
+    in the staging segment and in the result (xreduce's TF kernel hands such a result to TF in place: TF's tensors
+    are 64-byte aligned); the others follow, in order. In a
     ``group``, one pair per spec, as ``batch_reduce`` sends them: a process whose call takes ``batch_reduce``
     (its lane cannot be had, its output segments are all in use) still matches the others'.
 
@@ -346,6 +349,10 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: Proces
         (1, [11])
         >>> [at for at, _, _ in layout.inputs], layout.parts
         ([0, 64, 24, 88], [(0, 0, (2, 3)), (0, 6, (5,))])
+        >>> layout = _layout(pb.BatchReduceRequest(), [Spec(("CPU:0",), ("CPU:0",), f32, (5,)),
+        ...                                             Spec(("CPU:0",), ("CPU:0",), f32, (4, 4))])
+        >>> layout.parts  # the 64 bytes first
+        [(0, 16, (5,)), (0, 0, (4, 4))]
     """
     groups: dict[tuple, list[int]] = {}
     for k, s in enumerate(specs):
@@ -361,6 +368,7 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: Proces
         pair = request.pairs.add()
         pair.destinations.extend(to_daemon(d, group, f"specs[{members[0]}].destinations[{i}]")
                                  for i, d in enumerate(destinations))
+        members.sort(key=lambda k: specs[k].nbytes % OUTPUT_ALIGNMENT != 0)  # stable: aligned sizes first
         elements, start = 0, []
         for k in members:
             start.append(elements)

@@ -74,6 +74,50 @@ def test_the_traced_batch_takes_the_kernel_and_gives_the_exact_sums(daemon):
     assert len(ops._kept) == 2  # one prepared batch a traced step, its segments kept with the ops
 
 
+def _in_shared_memory(array: np.ndarray) -> bool:
+    """Whether ``array``'s bytes lie in a mapping of a ``/dev/shm`` segment of this process."""
+    at = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= at and at + array.nbytes <= end:
+                    return True
+    return False
+
+
+def test_results_are_tensors_over_the_output_segment_and_keep_their_values_when_held(daemon):
+    """The kernel hands TF each result where the daemon wrote it (no copy out). Results a caller still holds at
+    the next call keep their values (they move to memory of their own): every step's results held, then checked."""
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce(
+        address=daemon.address))
+    with strategy.scope():
+        count = tf.Variable(0.0, dtype=tf.float64)
+
+    def values(replica):
+        return [tf.fill([1000], count + replica), tf.cast(tf.fill([3, 5], count * 10 + replica), tf.int64)]
+
+    step = step_of(strategy, values)
+
+    @tf.function
+    def next_step():
+        count.assign_add(1.0)
+        return step()
+
+    first = [np.asarray(v.values[0]) for v in next_step()]  # no copy: the tensors' own bytes
+    assert all(_in_shared_memory(a) for a in first), "the results were copied out of the output segment"
+    held = [next_step() for _ in range(4)]  # each step's results still held when the next one runs
+    for k, out in enumerate(held, start=2):
+        got = [np.asarray(v.values[0]) for v in out]
+        np.testing.assert_array_equal(got[0], np.full(1000, 2 * k + 1.0))
+        np.testing.assert_array_equal(got[1], np.full((3, 5), 20 * k + 1))
+        # held at the next call, they moved to memory of their own; the last step's are still in the segment
+        assert _in_shared_memory(got[0]) == (k == 5)
+    np.testing.assert_array_equal(first[0], np.full(1000, 3.0))  # the first step's, unchanged by the later ones
+    np.testing.assert_array_equal(first[1], np.full((3, 5), 21))
+
+
 def test_a_batch_of_several_mib_is_copied_in_blocks_and_gives_the_exact_sums(daemon):
     """Inputs and results of more than a MiB are copied on TF's worker threads, in blocks of 256 KiB: tensors whose
     sizes are no multiple of a block, of two dtypes, each element its own value, summed exactly."""

@@ -4,8 +4,10 @@
 // headers and flags, tf.sysconfig) and prepares everything in Python once: the segments, registered with the
 // daemon; the request frame that names them; where each input goes and each result comes from. Each call then
 // copies the inputs into the staging segment, sends the same frame over a local-lane connection of its own, reads
-// the reply and copies the results out of the output segment into new tensors. The daemon serves the same bytes
-// as a kept repeat (xreduced.repeated). The frames are xreduce.wire.lane's: a 4-byte little-endian length, then
+// the reply and hands TF the results where the daemon wrote them: each output is a tensor over its place in the
+// kernel's mapping of the output segment (no copy); outputs of the previous call TF still holds then keep their
+// bytes in memory of their own (Detach), and the segment is mapped anew for the call. The daemon serves the same
+// bytes as a kept repeat (xreduced.repeated). The frames are xreduce.wire.lane's: a 4-byte little-endian length, then
 // the body; a hello first; a reply's body is its status code (gRPC's numbers, which TF's are), whether the daemon
 // answered, then the response or the error message.
 //
@@ -30,10 +32,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -46,11 +50,13 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::PartialTensorShape;
 using tensorflow::Tensor;
+using tensorflow::TensorBuffer;
 using tensorflow::TensorShape;
 
 constexpr uint32_t kMaxFrameBytes = 0x7fffffffu;
 constexpr size_t kParallelCopyBytes = 1 << 20;  // a call's inputs or outputs copied on several threads from here
 constexpr size_t kCopyBlockBytes = 256 << 10;
+constexpr uintptr_t kAlignBytes = 64;  // TF's CPU tensors' alignment (EIGEN_MAX_ALIGN_BYTES); an output off it is copied
 
 std::atomic<int64_t> calls{0};  // calls answered with results, by every kernel of this process
 // Their nanoseconds copying in, exchanging with the daemon, copying out (a call's parts, summed over those calls).
@@ -118,6 +124,30 @@ struct Mapping {
   }
 };
 
+// The kernel's mapping of the output segment, shared with the tensors over it: unmapped when the last one goes.
+struct Shared : Mapping {
+  ~Shared() { Close(); }
+};
+
+// A result as TF holds it: a tensor buffer over its place in the output segment (it owns no memory of its own).
+class Place : public TensorBuffer {
+ public:
+  Place(std::shared_ptr<Shared> segment, char* data, size_t size)
+      : TensorBuffer(data), segment_(std::move(segment)), size_(size) {}
+  size_t size() const override { return size_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(tensorflow::AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(size_));
+    proto->set_allocated_bytes(static_cast<int64_t>(size_));
+    proto->set_allocator_name("xreduce_output_segment");
+  }
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  std::shared_ptr<Shared> segment_;
+  size_t size_;
+};
+
 class LaneCallOp : public OpKernel {
  public:
   explicit LaneCallOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -152,7 +182,7 @@ class LaneCallOp : public OpKernel {
   ~LaneCallOp() override {
     Hangup();
     staging_.Close();
-    output_.Close();
+    Release();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -162,15 +192,23 @@ class LaneCallOp : public OpKernel {
       return;
     }
     if (staging_.data == nullptr) {
+      auto output = std::make_shared<Shared>();
       absl::Status s = staging_.Open(staging_name_, staging_bytes_);
-      if (s.ok()) s = output_.Open(output_name_, output_bytes_);
+      if (s.ok()) s = output->Open(output_name_, output_bytes_);
       if (!s.ok()) {
         staging_.Close();
         ctx->SetStatus(s);
         return;
       }
+      Hold(std::move(output));
     }
-    const int64_t start = NowNanos();
+    const int64_t start = NowNanos();  // a detach counts as copying in
+    for (Place* place : places_) {
+      if (place != nullptr && !place->RefCountIsOne()) {  // TF still holds an output of the previous call
+        OP_REQUIRES_OK(ctx, Detach());
+        break;
+      }
+    }
     std::vector<Piece> pieces;
     for (int i = 0; i < ctx->num_inputs(); ++i) {
       auto bytes = ctx->input(i).tensor_data();
@@ -204,12 +242,16 @@ class LaneCallOp : public OpKernel {
       TensorShape shape;
       OP_REQUIRES(ctx, shapes_[i].AsTensorShape(&shape),
                   absl::InvalidArgumentError("xreduce: output_shapes must be fully defined"));
+      if (places_[i] != nullptr) {
+        ctx->set_output(i, Tensor(output_type(i), shape, places_[i]));  // TF takes a reference
+        continue;
+      }
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &out));
       auto bytes = out->tensor_data();
       OP_REQUIRES(ctx, output_offsets_[i] >= 0 && output_offsets_[i] + bytes.size() <= output_bytes_,
                   absl::InternalError("xreduce: output " + std::to_string(i) + " lies outside the output segment"));
-      pieces.push_back({const_cast<char*>(bytes.data()), output_.data + output_offsets_[i], bytes.size()});
+      pieces.push_back({const_cast<char*>(bytes.data()), output_->data + output_offsets_[i], bytes.size()});
     }
     Copy(ctx, pieces);
     copy_in_ns.fetch_add(copied_in - start, std::memory_order_relaxed);
@@ -248,6 +290,57 @@ class LaneCallOp : public OpKernel {
         [&blocks](int64_t begin, int64_t end) {
           for (int64_t b = begin; b < end; ++b) memcpy(blocks[b].to, blocks[b].from, blocks[b].size);
         });
+  }
+
+  // Makes ``output`` the output segment's mapping, with a place for each output that lies in it, aligned as TF's
+  // tensors are (the others are copied out), and lets go of the previous ones.
+  void Hold(std::shared_ptr<Shared> output) {
+    Release();
+    output_ = std::move(output);
+    for (int i = 0; i < num_outputs(); ++i) {
+      PartialTensorShape shape = shapes_[i];
+      int64_t bytes = shape.num_elements() * tensorflow::DataTypeSize(output_type(i));
+      char* at = output_->data + output_offsets_[i];
+      bool fits = shape.IsFullyDefined() && bytes > 0 && output_offsets_[i] >= 0 &&
+                  static_cast<size_t>(output_offsets_[i] + bytes) <= output_bytes_ &&
+                  reinterpret_cast<uintptr_t>(at) % kAlignBytes == 0;
+      places_.push_back(fits ? new Place(output_, at, static_cast<size_t>(bytes)) : nullptr);
+    }
+  }
+
+  void Release() {
+    for (Place* place : places_) {
+      if (place != nullptr) place->Unref();
+    }
+    places_.clear();
+    output_.reset();
+  }
+
+  // Outputs TF still holds keep the bytes they have, in memory of their own: a private copy replaces the pages
+  // under them in one step (mremap onto their addresses: a reader sees the same bytes before and after), and the
+  // segment is mapped anew, elsewhere, for this call (mremap of a shared mapping with old size 0 maps the same
+  // pages again). The old mapping goes with the last of those outputs.
+  absl::Status Detach() {
+    const size_t size = output_->size;
+    void* fresh = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (fresh == MAP_FAILED) return absl::ResourceExhaustedError(std::string("xreduce: no memory to keep the "
+                                                                             "previous call's outputs: ") + strerror(errno));
+    memcpy(fresh, output_->data, size);
+    void* again = mremap(output_->data, 0, size, MREMAP_MAYMOVE);
+    if (again == MAP_FAILED) {
+      munmap(fresh, size);
+      return absl::InternalError(std::string("xreduce: cannot map the output segment again: ") + strerror(errno));
+    }
+    if (mremap(fresh, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, output_->data) == MAP_FAILED) {
+      munmap(fresh, size);
+      munmap(again, size);
+      return absl::InternalError(std::string("xreduce: cannot keep the previous call's outputs: ") + strerror(errno));
+    }
+    auto output = std::make_shared<Shared>();
+    output->data = static_cast<char*>(again);
+    output->size = size;
+    Hold(std::move(output));
+    return absl::OkStatus();
   }
 
   std::string Where() const { return "xreduce daemon at " + daemon_ + " (local lane " + address_ + ")"; }
@@ -381,7 +474,9 @@ class LaneCallOp : public OpKernel {
   std::vector<int64_t> input_offsets_, output_offsets_;
   float timeout_ = 0;
   int fd_ = -1;
-  Mapping staging_, output_;
+  Mapping staging_;
+  std::shared_ptr<Shared> output_;
+  std::vector<Place*> places_;  // one per output (null: copied out), each with a reference of the kernel's
   absl::Status gave_up_;
 };
 
