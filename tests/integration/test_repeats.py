@@ -113,8 +113,10 @@ def test_a_request_sent_again_is_a_repeat_that_reduces_the_regions_new_bytes(dae
         assert len(replies) == 1  # a repeat's reply is the full path's, byte for byte
 
 
-def test_a_repeat_of_more_than_the_lane_s_inline_bytes_is_served_by_a_worker_too(daemon):
-    n = 1 << 20  # 2 replicas x 4 MiB of input and 2 x 4 MiB of output: over the 4 MiB the lane's thread serves
+@pytest.mark.parametrize("n", [1 << 19, (1 << 20) + 1024], ids=["lane-thread", "worker"])
+def test_a_repeat_of_more_than_the_full_path_s_inline_bytes_is_served_too(daemon, n):
+    """8 MiB of regions (2 replicas x 2 MiB in, 2 x 2 MiB out): over the full path's 4 MiB, within a repeat's
+    16 MiB (the lane's thread); a little over 16 MiB: a worker."""
     rng = np.random.default_rng(2)
     with opened(daemon, n) as (regions, request):
         before = repeat_calls(daemon)

@@ -4,10 +4,11 @@ A prepared batch (:mod:`xreduce._prepared`) is the same call step after step; it
 :meth:`~xreduce._prepared.PreparedBatch.native` part (segments, the request frame, the
 offsets) is all a kernel needs to make it. ``lane_kernel.cc`` is that kernel,
 ``XreduceLaneCall``: it copies the inputs into the staging segment, sends the
-request frame over a local-lane connection of its own, and copies the results out
-of the output segment into new tensors. The ``tf.numpy_function`` bridge alone cost
+request frame over a local-lane connection of its own, and hands TF the results as
+tensors over their places in the output segment (results TF still holds at the next
+call first move to memory of their own). The ``tf.numpy_function`` bridge alone cost
 about a quarter of a small model's step (the GIL, the conversions, TF's py_func
-machinery); the kernel costs two copies and one exchange with the daemon.
+machinery); the kernel costs one copy and one exchange with the daemon.
 
 The kernel is built from source the first time a process needs it, with the C++
 compiler (``CXX``, else ``c++``/``g++`` on ``PATH``) and TF's own flags
