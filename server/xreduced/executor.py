@@ -424,10 +424,11 @@ class Fused:
         """Reduces ``inputs`` into ``sinks`` (arrays of the shape this was made for; see the class)."""
         run = self._runner(inputs, sinks, mean)
         run.deadline = deadline or Deadline(None)
-        if self.threads <= 1 or len(self.units) <= 1:
-            run(self.units)
+        groups = self._groups()
+        if len(groups) == 1:
+            run(groups[0])
         else:
-            run.parallel(_split(self.units, self.threads), run)
+            run.parallel(groups, run)
 
     def bind(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
              mean: bool = False) -> Bound:
@@ -448,8 +449,11 @@ class Fused:
         """
         if not all(a.flags.c_contiguous for arrays in [*inputs, *sinks.values()] for a in arrays):
             raise ValueError("Fused.bind: every input and sink array must be C-contiguous")
-        return Bound(self._runner(inputs, sinks, mean),
-                     _split(self.units, self.threads) if self.threads > 1 and len(self.units) > 1 else [self.units])
+        return Bound(self._runner(inputs, sinks, mean), self._groups())
+
+    def _groups(self) -> list[list]:
+        """The chunks as each thread takes them: all in one run, or split over :attr:`threads`."""
+        return _split(self.units, self.threads) if self.threads > 1 and len(self.units) > 1 else [self.units]
 
     def _runner(self, inputs, sinks, mean: bool) -> _Runner:
         # One flat view per input and per sink array (destinations given one array, as output_one_copy gives
