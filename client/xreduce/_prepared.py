@@ -248,14 +248,18 @@ class PreparedBatch:
         layout = self._request(group)
         try:
             fast = _Fast(shm, lane, layout, self._deadline(client.timeout), group, client)
-            slot = fast._slot()
+            slot = fast.stage_slot() if layout.in_place else fast._slot()
         except OSError:
             return None
         self._holder[1] = fast
         slot.free = False  # the kernel's for good
         fast.stage.base[:] = 0
-        try:
-            places = _placed(fast.send(slot), slot.seg, fast._parts)
+        staged = sum(nbytes for _, nbytes in _spans(layout))
+        phases = _phased(slot.body, PHASES) if len(layout.request.pairs) == 1 and staged >= PHASED_BYTES else \
+            [(slot.body, [])]
+        try:  # each phase's request once (the daemon checks and keeps them); the first's reply places the results
+            replies = [fast.send(_Slot(slot.seg, body)) for body, _ in phases]
+            places = _placed(replies[0], slot.seg, fast._parts)
         except BaseException:  # refused, no answer, or a reply that placed nothing here
             self._holder[1] = None
             fast.give_up()
@@ -264,12 +268,13 @@ class PreparedBatch:
         if group is not None:
             collective = pb.CollectiveSpec(group=group.group, num_processes=group.num_processes,
                                            process_id=group.process_id, epoch=group.epoch).SerializeToString()
-        return Native(address=lane.address, daemon=client.address, hello=lane.hello,
-                      request=frames.request("BatchReduce", fast.timeout, slot.body), staging=fast.stage.name,
-                      staging_bytes=fast.stage.size, output=slot.seg.name, output_bytes=slot.seg.size,
-                      input_offsets=tuple(at for at, _, _ in layout.inputs),
+        requests = tuple(frames.request("BatchReduce", fast.timeout, body) for body, _ in phases)
+        return Native(address=lane.address, daemon=client.address, hello=lane.hello, request=requests[0],
+                      staging=fast.stage.name, staging_bytes=fast.stage.size, output=slot.seg.name,
+                      output_bytes=slot.seg.size, input_offsets=tuple(at for at, _, _ in layout.inputs),
                       outputs=tuple((at, dtype, shape) for at, _, dtype, shape in places), timeout=fast.timeout,
-                      group=group, collective=collective)
+                      group=group, collective=collective,
+                      phases=tuple(zip(requests, (tuple(ranges) for _, ranges in phases))) if len(phases) > 1 else ())
 
     def close(self) -> None:
         """Gives the segments back (a later call prepares again); the native part's are unlinked."""
@@ -315,6 +320,11 @@ class Native:
     collective: bytes = b""
     """In a group, its ``CollectiveSpec`` serialized without a sequence number: each call appends it to the
     request as field :data:`COLLECTIVE_FIELD` with the group's next sequence number."""
+    phases: tuple[tuple[bytes, tuple[tuple[int, int], ...]], ...] = ()
+    """A call in phases (:func:`_phased`; none: :attr:`request` is the whole call): each phase's request frame
+    (the first is :attr:`request`) and the staging bytes (begin, end) it reduces. The kernel copies a phase's
+    inputs, sends its request, and goes on to the next phase's while the daemon reduces it; then it reads the
+    replies. In a group, each phase is one collective."""
 
 
 @dataclasses.dataclass
@@ -329,6 +339,10 @@ class _Layout:
     out_bytes: int
     parts: list[tuple[int, int, tuple[int, ...]]]
     """Each spec's (pair of the request, first element in that pair's flat value, shape)."""
+    in_place: bool = False
+    """Whether the staging segment can be the output too (:meth:`_Fast.stage_slot`): laid out from its start, each
+    pair's (first) result lies exactly over its first replica's input (the same dtype: not an integer MEAN; and no
+    more destinations than replicas)."""
 
 
 def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: ProcessGroup | None = None) -> _Layout:
@@ -363,7 +377,7 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: Proces
     for s in specs:
         first.append(first[-1] + len(s.devices))
     parts: list = [None] * len(specs)
-    results, at = [], 0
+    results, firsts, at = [], [], 0
     for g, ((devices, destinations, dtype, _), members) in enumerate(groups.items()):
         pair = request.pairs.add()
         pair.destinations.extend(to_daemon(d, group, f"specs[{members[0]}].destinations[{i}]")
@@ -379,6 +393,8 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: Proces
             pair.value.fused_parts.extend(pb.FusedPart(shape=specs[k].shape, index=k) for k in members)
         for r, d in enumerate(devices):
             at += -at % OUTPUT_ALIGNMENT
+            if r == 0:
+                firsts.append(at)
             component = pair.value.components.add(device=to_daemon(d, group, f"specs[{members[0]}].devices[{r}]"))
             component.tensor.dtype = codec.dtype_enum(dtype)
             component.tensor.shape.extend(shape)
@@ -387,7 +403,66 @@ def _layout(request: pb.BatchReduceRequest, specs: Sequence[Spec], group: Proces
                 inputs[first[k] + r] = (at + e * dtype.itemsize, dtype, specs[k].shape)
             at += elements * dtype.itemsize
         results.append((len(destinations), mean_dtype(dtype) if mean else dtype, shape))
-    return _Layout(request, inputs, max(at, 1), max(output_layout(results).nbytes, 1), parts)
+    out = output_layout(results)
+    in_place = out.nbytes <= at and all(places[0] == first and result[1] == key[2]
+                                        for places, first, key, result in zip(out.offsets, firsts, groups, results))
+    return _Layout(request, inputs, max(at, 1), max(out.nbytes, 1), parts, in_place)
+
+
+PHASED_BYTES = 4 << 20
+"""A native call (:meth:`PreparedBatch.native`) of one pair whose inputs reach this many bytes is made in
+:data:`PHASES` phases (:func:`_phased`): the daemon reduces one while the kernel copies the next one's inputs
+(below it, the hand-offs of a second request cost more than the overlap saves)."""
+
+PHASES = 2
+"""Phases of a phased native call."""
+
+
+def _spans(layout: _Layout) -> list[tuple[int, int]]:
+    """Each component's (offset in the staging segment, bytes)."""
+    return [(c.tensor.region.offset, c.tensor.region.byte_size)
+            for pair in layout.request.pairs for c in pair.value.components]
+
+
+def _phased(body: bytes, phases: int) -> list[tuple[bytes, list[tuple[int, int]]]]:
+    """A request of one pair (serialized, ``body``) as ``phases`` requests, each of a run of the value's elements
+    (a flat tensor; runs start at multiples of :data:`OUTPUT_ALIGNMENT` bytes, as each result must): each
+    serialized, with the staging bytes (begin, end) it reads. The results are the same element for element (a
+    dense all-reduce adds each element apart); together they lie where the whole request's would.
+
+    Example:
+        >>> request = pb.BatchReduceRequest(output=pb.RegionSlice(name="s", offset=0, byte_size=352))
+        >>> pair = request.pairs.add(destinations=["CPU:0", "CPU:1"])
+        >>> for k in range(2):
+        ...     c = pair.value.components.add(device=f"CPU:{k}")
+        ...     c.tensor.dtype = codec.dtype_enum(np.float32)
+        ...     c.tensor.region.offset, c.tensor.region.byte_size = 192 * k, 160
+        ...     c.tensor.shape.append(40)
+        >>> [ranges for _, ranges in _phased(request.SerializeToString(), 2)]  # 16 floats, then 24
+        [[(0, 64), (192, 256)], [(64, 160), (256, 352)]]
+    """
+    whole = pb.BatchReduceRequest.FromString(body)
+    components = whole.pairs[0].value.components
+    dtype = codec.spec(components[0].tensor)[0]
+    elements = components[0].tensor.region.byte_size // dtype.itemsize
+    unit = max(1, OUTPUT_ALIGNMENT // dtype.itemsize)
+    bounds = sorted({*(elements * k // phases // unit * unit for k in range(phases)), elements})
+    out = []
+    for begin, end in zip(bounds, bounds[1:]):
+        request = pb.BatchReduceRequest()
+        request.CopyFrom(whole)
+        pair = request.pairs[0]
+        pair.value.ClearField("fused_parts")
+        for c in pair.value.components:
+            del c.tensor.shape[:]
+            c.tensor.shape.append(end - begin)
+            c.tensor.region.offset += begin * dtype.itemsize
+            c.tensor.region.byte_size = (end - begin) * dtype.itemsize
+        request.output.offset = whole.output.offset + begin * dtype.itemsize
+        request.output.byte_size = output_layout([(len(pair.destinations), dtype, (end - begin,))]).nbytes
+        regions = [c.tensor.region for c in pair.value.components]
+        out.append((request.SerializeToString(), [(r.offset, r.offset + r.byte_size) for r in regions]))
+    return out
 
 
 COLLECTIVE_FIELD = pb.BatchReduceRequest.DESCRIPTOR.fields_by_name["collective"].number
@@ -447,6 +522,7 @@ class _Fast:
                        for at, dtype, shape in layout.inputs]
         self._message = layout.request
         self.slots: list[_Slot] = []
+        """The output segments."""
 
     def _slot(self) -> _Slot:
         for slot in self.slots:
@@ -459,6 +535,14 @@ class _Fast:
         slot = _Slot(seg, self._message.SerializeToString())
         self.slots.append(slot)
         return slot
+
+    def stage_slot(self) -> _Slot:
+        """A request whose results go over the inputs, in the staging segment itself (the layout's
+        :attr:`_Layout.in_place`): the daemon adds each pair's replicas into its first replica's place, with no
+        output segment to write. For a caller whose results are gone before it copies in again (xreduce's TF kernel
+        moves those TF still holds aside first); not one of :attr:`slots`."""
+        self._message.output.name, self._message.output.byte_size = self.stage.name, self._out_bytes
+        return _Slot(self.stage, self._message.SerializeToString())
 
     def call(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The results of one call: views of a free output segment, which stays in use until they are gone."""

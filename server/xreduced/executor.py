@@ -417,11 +417,29 @@ class Fused:
             input_bytes = sum(a.nbytes for component in inputs for a in component)
             threads = THREADS if input_bytes >= PARALLEL_BYTES else 1
         self.threads = threads
-        self.aliased = _aliased(inputs, sinks)
+        self.aliased = _aliases(plan, inputs, sinks)
+        """Whether a sink shares memory with an input (an in-place reduce: a caller's output region is its
+        input's): False; the :class:`_Aliases` of sinks that are exactly inputs; or True."""
+        first = sinks.get(plan.destinations[0], []) if plan.destinations else []
+        self._dtypes = [(a.dtype, first[t].dtype if t < len(first) else a.dtype) for t, a in enumerate(templates)]
+        self._private: dict[bool, bool] = {}
+
+    def private(self, mean: bool = False) -> bool:
+        """Whether the results go to arrays of their own first, then to the sinks once every chunk is done: a
+        sink overlaps an input other than exactly, or a chunk would read an input a sink over it has already
+        written (exact sinks that no later operation reads are written straight into, :class:`_Aliases`)."""
+        private = self._private.get(mean)
+        if private is None:
+            aliased = self.aliased
+            private = self._private[mean] = aliased is True or (aliased is not False and not all(
+                aliased.allows(program, t, _direct(program, mean, *self._dtypes[t]))
+                for _, program, t, _, _ in self.units))
+        return private
 
     def run(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
             mean: bool = False, deadline: Deadline | None = None) -> None:
         """Reduces ``inputs`` into ``sinks`` (arrays of the shape this was made for; see the class)."""
+        targets, sinks = sinks, _own(sinks) if self.private(mean) else sinks
         run = self._runner(inputs, sinks, mean)
         run.deadline = deadline or Deadline(None)
         groups = self._groups()
@@ -429,6 +447,8 @@ class Fused:
             run(groups[0])
         else:
             run.parallel(groups, run)
+        for copy in _copies(sinks, targets):
+            copy()
 
     def bind(self, inputs: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]],
              mean: bool = False) -> Bound:
@@ -449,7 +469,8 @@ class Fused:
         """
         if not all(a.flags.c_contiguous for arrays in [*inputs, *sinks.values()] for a in arrays):
             raise ValueError("Fused.bind: every input and sink array must be C-contiguous")
-        return Bound(self._runner(inputs, sinks, mean), self._groups())
+        targets, sinks = sinks, _own(sinks) if self.private(mean) else sinks
+        return Bound(self._runner(inputs, sinks, mean), self._groups(), _copies(sinks, targets))
 
     def _groups(self) -> list[list]:
         """The chunks as each thread takes them: all in one run, or split over :attr:`threads`."""
@@ -461,20 +482,36 @@ class Fused:
         sources = [[a.ravel() for a in component] for component in inputs]
         flat = _Shared(lambda a: a.reshape(-1))
         flat_sinks = {d: [flat(a) for a in arrays] for d, arrays in sinks.items()}
-        return _Runner(self.plan, sources, flat_sinks, mean, Deadline(None), self.aliased)
+        return _Runner(self.plan, sources, flat_sinks, mean, Deadline(None))
+
+
+def _own(sinks: Mapping[int, Sequence[np.ndarray]]) -> dict[int, list[np.ndarray]]:
+    """An array of its own for each sink array (one for an array several destinations are given)."""
+    own = _Shared(np.empty_like)
+    return {d: [own(a) for a in arrays] for d, arrays in sinks.items()}
+
+
+def _copies(made: Mapping[int, Sequence[np.ndarray]], targets: Mapping[int, Sequence[np.ndarray]]) -> list:
+    """The copies of ``made`` (:func:`_own`'s arrays) into ``targets``, one per array; none when they are one."""
+    if made is targets:
+        return []
+    pairs = {id(t): (t, m) for d, arrays in targets.items() for t, m in zip(arrays, made[d])}
+    return [functools.partial(np.copyto, t, m) for t, m in pairs.values()]
 
 
 class Bound:
     """A :class:`Fused` reduction of fixed arrays (:meth:`Fused.bind`): each chunk's numpy operations made once,
-    on views made once, with scratch of their own; :meth:`run` calls them. One call at a time: a caller that
-    finds it running (:meth:`run` returns False) reduces another way."""
+    on views made once, with scratch of their own; :meth:`run` calls them (then ``after``: the results' copies
+    into the sinks when they were made apart, :meth:`Fused.private`). One call at a time: a caller that finds it
+    running (:meth:`run` returns False) reduces another way."""
 
-    def __init__(self, runner: _Runner, groups: list[list]):
+    def __init__(self, runner: _Runner, groups: list[list], after: Sequence[Callable[[], Any]] = ()):
         self._runner = runner
         self._groups = []
         for units in groups:
             scratch: dict = {}  # each thread's own
             self._groups.append([(unit, runner.steps(unit, scratch)) for unit in units])
+        self._after = list(after)
         self._lock = threading.Lock()
 
     def run(self, deadline: Deadline | None = None) -> bool:
@@ -489,6 +526,8 @@ class Bound:
                 run.evaluate(self._groups[0])
             else:
                 run.parallel(self._groups, run.evaluate)
+            for copy in self._after:
+                copy()
         finally:
             self._lock.release()
         return True
@@ -515,11 +554,8 @@ def _split(units: list, threads: int) -> list[list]:
 class _Runner:
     """Evaluates chunks of a plan; one instance per call (or per :class:`Bound`), shared by its threads."""
 
-    def __init__(self, plan, sources, sinks, mean, deadline, aliased=False):
+    def __init__(self, plan, sources, sinks, mean, deadline):
         self.plan, self.sources, self.sinks, self.mean, self.deadline = plan, sources, sinks, mean, deadline
-        self.aliased = aliased
-        """A sink shares memory with an input (an in-place reduce: a caller's output region is its input's):
-        every sum then goes to scratch, and the sinks are written once a chunk's inputs have all been read."""
         self.failed = False
         """Set by a thread that failed: the others stop at their next chunk."""
 
@@ -552,11 +588,9 @@ class _Runner:
         dtype = inputs[0].dtype
         # The sum that is a result goes straight into the first destination that takes it (and a float MEAN
         # divides it there, in place): no scratch write and read, no array made per chunk.
-        direct = {}
-        if program.results and not self.aliased:
-            kind, p = program.results[0]
-            if kind == "sum" and (not self.mean or _divides_in_place(dtype, sinks[0].dtype)):
-                direct[p] = sinks[0]
+        # (A sink over an input is written so only where that is safe: Fused.private.)
+        first = _direct(program, self.mean, dtype, sinks[0].dtype)
+        direct = {} if first is None else {first: sinks[0]}
         operations: list[Callable[[], Any]] = []
         sums = []
         for i, operands in enumerate(program.sums):
@@ -636,16 +670,113 @@ class _Shared:
         return view[1]
 
 
-def _aliased(sources: Sequence[Sequence[np.ndarray]], sinks: Mapping[int, Sequence[np.ndarray]]) -> bool:
-    """Whether an output shares memory with an input (bounds only: cheap, and cautious).
+def _aliases(plan: Plan, sources: Sequence[Sequence[np.ndarray]],
+             sinks: Mapping[int, Sequence[np.ndarray]]) -> bool | _Aliases:
+    """Whether a sink shares memory with an input (by bounds: cheap, and cautious): False; the :class:`_Aliases`
+    when each sink that does is exactly one component's input of its own tensor (the same bytes, dtype and size:
+    an in-place reduce, the result over a replica's input) and no two sink arrays are one input; else True.
 
     Example:
-        >>> a = np.zeros(4)
-        >>> _aliased([[a]], {0: [a[:2]]}), _aliased([[a]], {0: [np.zeros(4)]})
+        >>> from xreduced.planner import hierarchical_copy
+        >>> plan, a, b = hierarchical_copy([0, 1], [4], 8), np.zeros(4), np.ones(4)
+        >>> _aliases(plan, [[a], [b]], {0: [np.zeros(4)]}), _aliases(plan, [[a], [b]], {0: [a[:2]]})
+        (False, True)
+        >>> _aliases(plan, [[a], [b]], {0: [a], 1: [a]}).of
+        {(0, 0): (0, 0), (1, 0): (0, 0)}
+    """
+    overlaps = [(k, t, sink) for k, d in enumerate(plan.destinations) for t, sink in enumerate(sinks.get(d, ()))
+                if any(np.may_share_memory(sink, component[t2]) for component in sources
+                       for t2 in range(len(component)))]
+    if not overlaps:
+        return False
+    of: dict[tuple[int, int], tuple[int, int]] = {}
+    owner: dict[tuple[int, int], int] = {}  # (component, tensor) -> id of the one sink array over it
+    for k, t, sink in overlaps:
+        same = [p for p, component in enumerate(sources) if _same_bytes(sink, component[t])]
+        others = sum(np.may_share_memory(sink, a) for component in sources for a in component)
+        if len(same) != 1 or others != 1 or owner.setdefault((same[0], t), id(sink)) != id(sink):
+            return True
+        first = next(k2 for k2, d in enumerate(plan.destinations) if sinks.get(d) and sinks[d][t] is sink)
+        of[(k, t)] = (same[0], first)
+    return _Aliases(of)
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same memory, read the same way (C-contiguous, one dtype and size)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.dtype == b.dtype
+            and a.size == b.size and a.flags.c_contiguous and b.flags.c_contiguous)
+
+
+class _Aliases:
+    """Sinks that are exactly inputs (:func:`_aliases`): ``of[(k, t)]`` is (the component whose input tensor ``t``
+    the sink of destination ``plan.destinations[k]`` is, the first destination index given that same sink array).
+
+    Example:
+        >>> from xreduced.planner import hierarchical_copy
+        >>> from xreduced.planner import reduction_to_one_device
+        >>> program = _programs(hierarchical_copy([0, 1], [4], 8))[0]
+        >>> aliases = _Aliases({(0, 0): (0, 0), (1, 0): (0, 0)})  # one sink over replica 0's input
+        >>> aliases.allows(program, 0, 0), aliases.allows(program, 0, None)
+        (True, True)
+        >>> fold = _programs(reduction_to_one_device([0, 1, 2], [0], [4], 8))[0]  # in0 + in1, then + in2
+        >>> _Aliases({(0, 0): (0, 0)}).allows(fold, 0, 0), _Aliases({(0, 0): (2, 0)}).allows(fold, 0, 0)
         (True, False)
     """
-    return any(np.may_share_memory(sink, src) for arrays in sinks.values() for sink in arrays
-               for component in sources for src in component)
+
+    def __init__(self, of: dict[tuple[int, int], tuple[int, int]]):
+        self.of = of
+        self._allowed: dict[tuple[int, int, int | None], tuple[_Program, bool]] = {}
+
+    def allows(self, program: _Program, t: int, direct: int | None) -> bool:
+        """Whether tensor ``t``'s chunks can run ``program`` as though nothing aliased (sum ``direct``, or None,
+        straight into the first destination's sink): no operation reads an input after a sink over it was
+        written, in the order :meth:`_Runner.steps` makes them."""
+        key = (id(program), t, direct)
+        kept = self._allowed.get(key)
+        if kept is None or kept[0] is not program:
+            kept = self._allowed[key] = (program, self._simulate(program, t, direct))
+        return kept[1]
+
+    def _simulate(self, program: _Program, t: int, direct: int | None) -> bool:
+        over: set[int] = set()  # the inputs written over so far
+
+        def fresh(operands) -> bool:
+            return not any(kind == "in" and p in over for kind, p in operands)
+
+        first = self.of.get((0, t))
+        for i, operands in enumerate(program.sums):
+            if not fresh(operands[:2]):  # one operation reads both and writes elementwise: it may write either
+                return False
+            if i == direct and first is not None:
+                over.add(first[0])
+            if not fresh(operands[2:]):
+                return False
+
+        def sink(k: int):  # a destination's sink: the first index given that array, or its own
+            alias = self.of.get((k, t))
+            return alias[1] if alias else ("own", k)
+
+        written = {sink(0)} if direct is not None else set()
+        for k, (kind, p) in enumerate(program.results):
+            alias = self.of.get((k, t))
+            if sink(k) in written:
+                continue
+            if kind == "in" and p in over:
+                return False
+            written.add(sink(k))
+            if alias:
+                over.add(alias[0])
+        return True
+
+
+def _direct(program: _Program, mean: bool, dtype: np.dtype, result: np.dtype) -> int | None:
+    """The sum that goes straight into the first destination's sink (the first result, when it is a sum that
+    needs no conversion), or None."""
+    if program.results:
+        kind, p = program.results[0]
+        if kind == "sum" and (not mean or _divides_in_place(dtype, result)):
+            return p
+    return None
 
 
 def _divides_in_place(dtype: np.dtype, result: np.dtype) -> bool:

@@ -3,8 +3,10 @@
 A 4-byte all-reduce costs little to compute and much to carry: through gRPC's
 Python server each call crosses several threads. The lane carries the same
 request and response messages (framed by :mod:`xreduce.wire.lane`) over a unix
-socket, one call at a time per connection, all connections served by one
-thread asleep in ``epoll``: no polling, no CPU while idle.
+socket, one call at a time per connection (a caller may send its next calls
+before a reply: they wait, up to :data:`QUEUED_MAX_BYTES`, and are served in
+order), all connections served by one thread asleep in ``epoll``: no polling,
+no CPU while idle.
 
 Every call still goes through the daemon's :class:`~xreduced.pipeline.CallPipeline`
 (token gate, size limit, admission, matching, reduction, metrics, the call
@@ -75,6 +77,9 @@ SEND_TIMEOUT_SECONDS = 10.0
 given up."""
 RECV_BYTES = 1 << 16
 """Bytes asked of one ``recv`` by the lane's thread."""
+QUEUED_MAX_BYTES = 1 << 20
+"""Bytes a connection may send while its call is in progress (its next calls, served in order once it ends: a
+caller sends the requests of a call made in phases back to back); a connection that sends more is dropped."""
 INLINE_MAX_BYTES = 1 << 20
 """The largest request the lane's thread serves itself; larger ones go to a worker."""
 INLINE_REGION_BYTES = 4 << 20
@@ -327,6 +332,7 @@ class LocalLane:
         self._wakeup = wakeup or Wakeup()
         self._selector.register(self._wakeup.fd, selectors.EVENT_READ, None)
         self._greeted: list[_Connection] = []
+        self._resumed: list[_Connection] = []  # connections whose call ended off the loop with more calls queued
         self._workers = concurrent.futures.ThreadPoolExecutor(max(max_connections, 1),
                                                               thread_name_prefix="xreduced-lane-call")
         self._loop_thread: threading.Thread | None = None
@@ -565,6 +571,10 @@ class LocalLane:
             self._hand_over(self.express.handed_over())
         with self._lock:
             greeted, self._greeted = self._greeted, []
+            resumed, self._resumed = self._resumed, []
+        for connection in resumed:
+            if not connection.gone and not connection.busy and len(connection.buffer):
+                self._serve_or_drop(connection)
         for connection in greeted:
             try:
                 self._selector.register(connection.sock, selectors.EVENT_READ, connection)
@@ -579,14 +589,25 @@ class LocalLane:
         is dropped, and the lane goes on serving the others."""
         try:
             self._serve(connection)
-        except frames.FrameError as e:  # garbage, or a call while its call is in progress: not a lane client
+        except frames.FrameError as e:  # garbage: not a lane client
             self._drop(connection, str(e))
             return
         except Exception:  # a bug
             log.exception("event=lane_internal_error peer=%s", connection.peer)
             self._drop(connection, "internal error")
             return
+        if connection.busy and len(connection.buffer) > QUEUED_MAX_BYTES:
+            self._drop(connection, f"{len(connection.buffer)} bytes of calls came while its call was in progress; "
+                                   f"at most {QUEUED_MAX_BYTES} wait")
+            return
         self._note_waiting(connection)
+
+    def _resume(self, connection: _Connection) -> None:
+        """After a call's reply (from any thread): calls that came meanwhile are served by the loop."""
+        if len(connection.buffer) and not connection.gone:
+            with self._lock:
+                self._resumed.append(connection)
+            self._wake()
 
     def _note_waiting(self, connection: _Connection) -> None:
         deferred = connection.waiting
@@ -594,10 +615,9 @@ class LocalLane:
             self._waiting[connection] = deferred
 
     def _serve(self, connection: _Connection) -> None:
-        """Serves the calls whose frames have all arrived (a caller sends one at a time)."""
-        while (body := connection.buffer.pop()) is not None:
-            if connection.busy:
-                raise frames.FrameError("a call came while this connection's call is in progress; one at a time")
+        """Serves the calls whose frames have all arrived, in order, one at a time: those that come while a call is
+        in progress wait for its end (:meth:`_resume`)."""
+        while not connection.busy and (body := connection.buffer.pop()) is not None:
             try:
                 method, timeout, request = frames.read_request(body)
             except frames.FrameError as e:
@@ -681,6 +701,7 @@ class LocalLane:
         """A worker's: a kept repeat of more than :data:`INLINE_REPEAT_BYTES`, or the full path when it cannot
         serve it."""
         if self._repeat(connection, method, timeout, request, *kept):
+            self._resume(connection)
             return
         handler = connection.handlers[method]
         self._call(connection, method, handler, handler.request_deserializer(request), timeout, defers=False,
@@ -701,6 +722,7 @@ class LocalLane:
             arrival.connection.busy = False  # before the reply goes: its caller's next call may follow at once
             arrival.connection.send(frames.reply(0, False, data))
             self.express.answered(arrival, len(data))
+            self._resume(arrival.connection)
         self._hand_over(handed)
         return True
 
@@ -753,6 +775,7 @@ class LocalLane:
             self._calls += 1
         connection.busy = False  # before the reply goes: its caller's next call may follow at once
         connection.send(frame)
+        self._resume(connection)
 
 
 class _Connection(LaneConnection):
@@ -768,7 +791,7 @@ class _Connection(LaneConnection):
         self.handlers = handlers
         self.buffer = frames.FrameBuffer(leftover)
         self.busy = False
-        """A call of this connection is in progress (its caller sends the next after the reply)."""
+        """A call of this connection is in progress (calls that come meanwhile wait in :attr:`buffer`)."""
         self.waiting: Deferred | None = None
         """The call that waits in a collective, deferred."""
         self.repeats = Repeats()

@@ -229,6 +229,55 @@ def test_a_lane_call_waiting_in_a_collective_ends_at_its_deadline_naming_who_is_
         assert code == 0
 
 
+def test_calls_sent_before_the_reply_wait_their_turn_and_are_answered_in_order(start_daemon):
+    """A caller may send its next calls before a reply (xreduce's TF kernel sends a phased call's requests back to
+    back): they wait while the call before waits in a collective or runs on a worker, then are served in order.
+    More than the lane lets wait ends the connection, and the lane serves on."""
+    from xreduced.lane import QUEUED_MAX_BYTES
+    daemon = start_daemon("--listen", "127.0.0.1:0", "--collective-timeout", "60", *DEVICES)
+
+    def collective(process_id: int, sequence: int) -> bytes:
+        return frames.request("BatchReduce", 60.0, pb.BatchReduceRequest(
+            reduce_op=pb.REDUCE_OP_SUM,
+            pairs=[pb.ReducePair(value=pb.DistributedValue(components=[pb.Component(
+                device=f"CPU:{process_id}", tensor=codec.encode(np.float32([process_id + 1])))]))],
+            collective=pb.CollectiveSpec(group="lane-queue", num_processes=2, process_id=process_id,
+                                         sequence=sequence)).SerializeToString())
+
+    def solo(*arrays) -> bytes:
+        return frames.request("BatchReduce", 60.0, pb.BatchReduceRequest(
+            reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(value=value(*arrays))]).SerializeToString())
+
+    def results(reply) -> list:
+        code, _, body = reply
+        assert code == 0, body
+        return [codec.decode(r.result.components[0].tensor).tolist()
+                for r in pb.BatchReduceResponse.FromString(body).results]
+
+    big = np.ones(300_000, np.float32)  # a message over the lane thread's 1 MiB: a worker serves it
+    with session(daemon.address) as (first, _):
+        waiting, _ = connect(first.local_lane, first.session_id)
+        other, _ = connect(first.local_lane, first.session_id)
+        waiting.sendall(collective(0, 1) + solo(np.float32([1]), np.float32([2])) +
+                        solo(np.float32([3]), np.float32([4])))
+        time.sleep(0.5)  # all three have come; the first waits for process 1
+        other.sendall(collective(1, 1))
+        assert results(frames.read_reply(frames.FrameReader(other).read())) == [[3.0]]
+        reader = frames.FrameReader(waiting)
+        assert [results(frames.read_reply(reader.read())) for _ in range(3)] == [[[3.0]], [[3.0]], [[7.0]]]
+        waiting.sendall(solo(big, big) + solo(np.float32([5]), np.float32([6])))
+        assert [results(frames.read_reply(reader.read())) for _ in range(2)] == [[[2.0] * big.size], [[11.0]]]
+        # A caller that sends more than may wait while its call is in progress is dropped.
+        waiting.sendall(collective(0, 2) + solo(np.zeros(QUEUED_MAX_BYTES // 4, np.float32), np.float32([0])))
+        reader = frames.FrameReader(waiting)
+        code, _, message = frames.read_reply(reader.read())  # its waiting call left the collective
+        assert code == grpc.StatusCode.ABORTED.value[0] and b"process 0 left" in message, message
+        assert reader.read() is None  # and the connection ended
+        code, _, _ = call(other, "BatchReduce", pb.BatchReduceRequest(
+            reduce_op=pb.REDUCE_OP_SUM, pairs=[pb.ReducePair(value=value(np.float32([1]), np.float32([2])))]))
+        assert code == 0
+
+
 def test_the_sdk_goes_on_after_its_daemon_restarts(start_daemon, tmp_path):
     address = f"unix:{tmp_path}/d.sock"
     daemon = start_daemon("--listen", address, *DEVICES)

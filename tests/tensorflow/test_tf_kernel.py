@@ -107,7 +107,9 @@ def test_results_are_tensors_over_the_output_segment_and_keep_their_values_when_
 
     first = [np.asarray(v.values[0]) for v in next_step()]  # no copy: the tensors' own bytes
     assert all(_in_shared_memory(a) for a in first), "the results were copied out of the output segment"
+    detached = _kernel.detaches()
     held = [next_step() for _ in range(4)]  # each step's results still held when the next one runs
+    assert _kernel.detaches() - detached == 4
     for k, out in enumerate(held, start=2):
         got = [np.asarray(v.values[0]) for v in out]
         np.testing.assert_array_equal(got[0], np.full(1000, 2 * k + 1.0))
@@ -139,6 +141,34 @@ def test_a_batch_of_several_mib_is_copied_in_blocks_and_gives_the_exact_sums(dae
     for value, w in zip(out, want):
         for got in value.values:
             np.testing.assert_array_equal(got.numpy(), w)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_a_large_batch_of_one_kind_goes_in_phases_and_its_results_over_the_inputs(daemon, op):
+    """Gradients of one dtype of 4 MiB or more (xreduce._prepared.PHASED_BYTES) go as one pair in two phases: two
+    requests a call, the second phase copied in while the daemon reduces the first; the results lie over the first
+    replica's inputs in the staging segment (no output segment), exact, and every element reduced once."""
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=xreduce.tensorflow.HierarchicalCopyAllReduce(
+        address=daemon.address))
+
+    def values(replica):
+        base, r = tf.cast(tf.range(600_001) % 1009, tf.float32), tf.cast(replica, tf.float32)
+        return [base * (r + 1), tf.reshape(base[:1000], (10, 100)) - r]
+
+    step = step_of(strategy, values, op)
+    step()
+    with xreduce.Client(daemon.address) as client:
+        served = client.get_status().local_lane_calls
+        for _ in range(3):
+            out = step()
+        assert client.get_status().local_lane_calls - served == 6  # two phases a call
+    base = (np.arange(600_001) % 1009).astype(np.float32)
+    want = [base * 3, base[:1000].reshape(10, 100) * 2 - 1]
+    if op == "MEAN":
+        want = [w / np.float32(2) for w in want]
+    for value, w in zip(out, want):
+        np.testing.assert_array_equal(value.values[0].numpy(), w)
+    assert _in_shared_memory(np.asarray(out[0].values[0]))  # the first starts aligned: TF has it in place
 
 
 def test_the_kernel_keeps_the_daemons_error_code(start_daemon):

@@ -161,6 +161,54 @@ def test_out_arrays_receive_the_results_on_both_paths(case):
         assert_same(got, want, planner.describe(plan))
 
 
+@PROPERTY
+@given(cases(), st.integers(0, 2**32 - 1))
+def test_out_arrays_over_the_inputs_receive_the_results(case, seed):
+    """An in-place reduce: each destination's result goes into a fresh array, into one of the inputs (exactly: a
+    replica's own tensor, the result then written straight into it where nothing reads it later), into an array
+    another destination has too, or over part of an input; the results are the generic way's on the inputs'
+    first values."""
+    plan, inputs, mean, chunk_bytes, threads = case
+    rng = np.random.default_rng(seed)
+    buffers = [[np.concatenate([a.reshape(-1), a.reshape(-1)[:1]]) for a in c] for c in inputs]  # room to shift
+    inputs = [[b[: a.size].reshape(a.shape) for a, b in zip(c, bc)] for c, bc in zip(inputs, buffers)]  # writable
+    want = execute_generic(plan, NumpyBackend(NUM_DEVICES), [[a.copy() for a in c] for c in inputs], mean)
+    out: dict[int, list[np.ndarray]] = {}
+    used: set[tuple[int, int]] = set()  # inputs a sink lies over: one array each (the daemon's never overlap)
+    for d in plan.destinations:
+        out[d] = []
+        for t, w in enumerate(want[d]):
+            over = [p for p, c in enumerate(inputs) if c[t].dtype == w.dtype and (p, t) not in used]
+            given = [o[t] for e, o in out.items() if e != d]
+            choice, p = rng.integers(4), rng.choice(over) if over else None
+            if choice == 1 and over:
+                out[d].append(inputs[p][t])
+                used.add((p, t))
+            elif choice == 2 and given:
+                out[d].append(given[rng.integers(len(given))])
+            elif choice == 3 and over and w.size:
+                out[d].append(buffers[p][t][1:].reshape(w.shape))
+                used.add((p, t))
+            else:
+                out[d].append(np.full_like(w, 7))
+    got = execute_fused(plan, inputs, mean, out=out, chunk_bytes=chunk_bytes, threads=threads)
+    assert_same(got, want, f"{planner.describe(plan)}\nmean={mean} chunk={chunk_bytes} threads={threads}")
+
+
+def test_a_result_over_its_first_replica_is_written_there_directly(monkeypatch):
+    """TF's kernel's call: the total goes straight into replica 0's input, with no scratch and no copy, and the
+    numbers are those of a reduce into a fresh array."""
+    x = [np.arange(300_000, dtype=np.float32) * (k + 1) / 7 for k in range(2)]
+    want = execute_fused(planner.hierarchical_copy([0, 1], [x[0].size], 4), [[a] for a in x])[0][0]
+    copies = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (copies.append(dst.size), real(dst, src, **kw)))
+    plan = planner.hierarchical_copy([0, 1], [x[0].size], 4)
+    got = execute_fused(plan, [[a] for a in x], out=dict.fromkeys((0, 1), [x[0]]), chunk_bytes=64 << 10, threads=2)
+    assert got[0][0] is x[0] and got[1][0] is x[0] and same_bits(x[0], want)
+    assert copies == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("n", [2, 3, 8], ids=lambda n: f"N{n}")
 def test_fused_matches_generic_on_chunked_parallel_inputs(dtype, n):

@@ -163,10 +163,27 @@ def calls() -> int:
         >>> calls() >= 0
         True
     """
+    return _counter("xreduce_lane_kernel_calls")
+
+
+def detaches() -> int:
+    """How many of this process's kernels' calls first moved results TF still held to memory of their own (0 before
+    any): a result stays where the daemon wrote it until the next call, which moves it aside if TF still holds it.
+    A Keras step lets its gradients go once applied, so it never needs to.
+
+    Example:
+        >>> detaches() >= 0
+        True
+    """
+    return _counter("xreduce_lane_kernel_detaches")
+
+
+def _counter(name: str) -> int:
+    """The kernel library's counter ``name`` (a C function returning an int64), 0 before the library is loaded."""
     loaded = _loaded()
     if loaded is None:
         return 0
-    count = loaded.xreduce_lane_kernel_calls
+    count = getattr(loaded, name)
     count.restype = ctypes.c_int64
     return int(count())
 
@@ -287,4 +304,6 @@ def call(prepared: PreparedBatch, inputs: Sequence[tf.Tensor], outputs: Sequence
         staging=native.staging, staging_bytes=native.staging_bytes, output=native.output,
         output_bytes=native.output_bytes, input_offsets=list(native.input_offsets),
         output_offsets=[at for at, _, _ in native.outputs], timeout=native.timeout, name=name,
+        phases=[request for request, _ in native.phases],
+        phase_ranges=[n for k, (_, ranges) in enumerate(native.phases) for r in ranges for n in (k, *r)],
         collective=native.collective, sequence=0 if native.group is None else shared_counter(native.group)))
