@@ -146,6 +146,7 @@ def test_the_strategys_api_spans_the_job(daemon):
     assert (p0["contexts"], p1["contexts"]) == ([[2, 0, 4]], [[2, 1, 4]])
     assert (p0["values_from_function"], p1["values_from_function"]) == ([0, 1], [2, 3])
     assert p0["int32"] == p1["int32"] == [6, 6]
+    assert p0["phased"] == p1["phased"] == [True, True]  # each replica's sum of the job's four, exact
     assert p0["timeout"]["type"] == "DeadlineExceededError"
     assert "timed out after 1s waiting for process(es) [1]" in p0["timeout"]["message"]
 
@@ -196,6 +197,18 @@ def _main(pid: int) -> None:
     ints = strategy.run(lambda: tf.cast(rid(), tf.int32))  # TF reduces int32 on one process only
     out["int32"] = [int(v) for v in strategy.experimental_local_results(
         strategy.extended.reduce_to("SUM", ints, ints))]
+    # A traced all-reduce of one 2.4 MB tensor a replica: xreduce's TF kernel sends it in two phases (4 MiB of
+    # inputs in this process; xreduce._prepared.PHASED_BYTES), each one of the job's collectives.
+    base = (np.arange(600_001) % 1009).astype(np.float32)
+
+    @tf.function
+    def phased():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            "SUM", tf.constant(base) * tf.cast(rid() + 1, tf.float32)))
+
+    for _ in range(2):
+        summed = phased()
+    out["phased"] = [bool(np.array_equal(v.numpy(), base * 10)) for v in strategy.experimental_local_results(summed)]
     if pid == 0:  # process 1 never calls: the daemon's deadline, from CommunicationOptions(timeout_seconds=1)
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=1)
         try:

@@ -50,13 +50,13 @@ def bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("model", ["mlp", "embedding"])
+@pytest.mark.parametrize("model", ["mlp", "mlp1m", "embedding"])
 def test_two_replicas_train_to_tfs_weights_bit_for_bit(daemon, tmp_path, model):
     """One process, two logical CPUs: TF's HierarchicalCopyAllReduce, xreduce's in TF's MirroredStrategy and
     xreduce's MirroredStrategy give the same weights after 20 steps (and a partial last batch); the
     embedding's gradients are IndexedSlices, concatenated as TF concatenates them. The first xreduce job's
-    steps take xreduce's TF kernel (xreduce.tensorflow._kernel), the second's (the kernel off) the
-    tf.numpy_function bridge with a prepared batch in Python."""
+    steps take xreduce's TF kernel (xreduce.tensorflow._kernel; the 1 M MLP's 8.6 MB call in phases, its results
+    over the inputs), the second's (the kernel off) the tf.numpy_function bridge with a prepared batch in Python."""
     flags = ("--model", model, "--extra-rows", "37")
     tf_fit, tf_weights = fit(daemon, tmp_path, "tf-hcar", 2, *flags)
     for strategy, kernel in (("xreduce-ops", "1"), ("xreduce", "0")):
@@ -64,7 +64,7 @@ def test_two_replicas_train_to_tfs_weights_bit_for_bit(daemon, tmp_path, model):
         assert event["event"] == "fit", event
         assert event["history"] == tf_fit["history"] and event["replicas"] == 2
         assert bitwise(weights, tf_weights)
-        if model == "mlp":  # every step's all-reduce a prepared batch (xreduce._prepared); sparse ones are not
+        if model != "embedding":  # every step's all-reduce a prepared batch (xreduce._prepared); sparse ones are not
             calls = event["kernel_calls"] if kernel == "1" else event["prepared_calls"]
             assert calls >= 21, event
         if kernel == "0":
