@@ -551,7 +551,7 @@ class LocalLane:
             if not data:
                 self._drop(connection)
                 continue
-            connection.buffer.push(data)
+            connection.arrived(data)
             self._serve_or_drop(connection)
         now = time.monotonic()
         if self.express is not None:
@@ -573,7 +573,7 @@ class LocalLane:
             greeted, self._greeted = self._greeted, []
             resumed, self._resumed = self._resumed, []
         for connection in resumed:
-            if not connection.gone and not connection.busy and len(connection.buffer):
+            if not connection.gone and connection.queued():
                 self._serve_or_drop(connection)
         for connection in greeted:
             try:
@@ -581,7 +581,7 @@ class LocalLane:
             except (OSError, ValueError, KeyError) as e:  # closed meanwhile
                 self._drop(connection, str(e))
                 continue
-            if len(connection.buffer):
+            if connection.queued():
                 self._serve_or_drop(connection)
 
     def _serve_or_drop(self, connection: _Connection) -> None:
@@ -596,15 +596,15 @@ class LocalLane:
             log.exception("event=lane_internal_error peer=%s", connection.peer)
             self._drop(connection, "internal error")
             return
-        if connection.busy and len(connection.buffer) > QUEUED_MAX_BYTES:
-            self._drop(connection, f"{len(connection.buffer)} bytes of calls came while its call was in progress; "
+        if connection.busy and (queued := connection.queued()) > QUEUED_MAX_BYTES:
+            self._drop(connection, f"{queued} bytes of calls came while its call was in progress; "
                                    f"at most {QUEUED_MAX_BYTES} wait")
             return
         self._note_waiting(connection)
 
     def _resume(self, connection: _Connection) -> None:
         """After a call's reply (from any thread): calls that came meanwhile are served by the loop."""
-        if len(connection.buffer) and not connection.gone:
+        if not connection.gone and connection.queued():
             with self._lock:
                 self._resumed.append(connection)
             self._wake()
@@ -617,7 +617,7 @@ class LocalLane:
     def _serve(self, connection: _Connection) -> None:
         """Serves the calls whose frames have all arrived, in order, one at a time: those that come while a call is
         in progress wait for its end (:meth:`_resume`)."""
-        while not connection.busy and (body := connection.buffer.pop()) is not None:
+        while (body := connection.next_call()) is not None:
             try:
                 method, timeout, request = frames.read_request(body)
             except frames.FrameError as e:
@@ -628,7 +628,7 @@ class LocalLane:
                     if self._repeat(connection, method, timeout, request, *kept):
                         continue
                 elif not self._closed:  # a long reduction: a worker's, as the full path's would be
-                    connection.busy = True
+                    connection.start_call()
                     self._workers.submit(self._repeat_or_call, connection, method, timeout, request, kept)
                     continue
             handler = connection.handlers.get(method)
@@ -637,7 +637,7 @@ class LocalLane:
                                              f"local lane: {method} is not served here".encode()))
                 continue
             incoming = handler.request_deserializer(request)
-            connection.busy = True
+            connection.start_call()
             message = getattr(incoming, "message", None)
             if method != "Broadcast" and message is not None and message.HasField("collective") and \
                     message.HasField("output"):
@@ -691,7 +691,7 @@ class LocalLane:
         with self._lock:
             self._calls += 1
             self._repeat_calls += 1
-        connection.busy = False  # before the reply goes: its caller's next call may follow at once
+        connection.end_call()  # before the reply goes: its caller's next call may follow at once
         connection.send(frames.reply(0, False, reply))
         self._pipeline.end_express(call, len(reply))
         return True
@@ -719,7 +719,7 @@ class LocalLane:
             with self._lock:
                 self._calls += 1
                 self._express_calls += 1
-            arrival.connection.busy = False  # before the reply goes: its caller's next call may follow at once
+            arrival.connection.end_call()  # before the reply goes: its caller's next call may follow at once
             arrival.connection.send(frames.reply(0, False, data))
             self.express.answered(arrival, len(data))
             self._resume(arrival.connection)
@@ -773,13 +773,23 @@ class LocalLane:
         context.end()
         with self._lock:
             self._calls += 1
-        connection.busy = False  # before the reply goes: its caller's next call may follow at once
+        connection.end_call()  # before the reply goes: its caller's next call may follow at once
         connection.send(frame)
         self._resume(connection)
 
 
 class _Connection(LaneConnection):
-    """A greeted connection as the loop serves it: its socket, its caller, what has arrived, its call."""
+    """A greeted connection as the loop serves it: its socket, its caller, what has arrived, its call.
+
+    Example:
+        >>> a, b = socket.socketpair()
+        >>> c = _Connection(a, "peer", (), {}, b"")
+        >>> c.arrived(frames.request("Reduce", None, b"x")); c.start_call(); c.next_call() is None, c.queued()
+        (True, 14)
+        >>> c.end_call(); len(c.next_call())  # the frame's body: the method, the timeout, the request
+        10
+        >>> a.close(); b.close()
+    """
 
     def __init__(self, sock: socket.socket, peer: str, metadata, handlers, leftover: bytes):
         super().__init__(sock)
@@ -790,8 +800,11 @@ class _Connection(LaneConnection):
         """The session the hello proved."""
         self.handlers = handlers
         self.buffer = frames.FrameBuffer(leftover)
+        """What has arrived: whole frames and a partial one (the lane's thread adds, :meth:`arrived`)."""
         self.busy = False
-        """A call of this connection is in progress (calls that come meanwhile wait in :attr:`buffer`)."""
+        """A call of this connection is in progress (calls that come meanwhile wait in :attr:`buffer`): set by the
+        lane's thread (:meth:`start_call`), cleared by whichever thread answers the call (:meth:`end_call`)."""
+        self._state = threading.Lock()  # guards busy and buffer between those threads
         self.waiting: Deferred | None = None
         """The call that waits in a collective, deferred."""
         self.repeats = Repeats()
@@ -799,6 +812,32 @@ class _Connection(LaneConnection):
         self.group_repeats = Repeats()
         """The collectives this connection sent that the express lane serves again as kept repeats, under their
         bytes but for the sequence number (:func:`xreduced.repeated.collective_key`)."""
+
+    def arrived(self, data: bytes) -> None:
+        """Adds bytes that came (the lane's thread)."""
+        with self._state:
+            self.buffer.push(data)
+
+    def next_call(self) -> bytes | None:
+        """The next whole frame that came, or None: none has, or a call is in progress (it waits its turn)."""
+        with self._state:
+            return None if self.busy else self.buffer.pop()
+
+    def queued(self) -> int:
+        """Bytes that came and wait to be served."""
+        with self._state:
+            return len(self.buffer)
+
+    def start_call(self) -> None:
+        """A call that is not answered at once begins (the lane's thread)."""
+        with self._state:
+            self.busy = True
+
+    def end_call(self) -> None:
+        """The call in progress is answered (whichever thread has the reply, before it sends it: the caller's next
+        call may follow at once; calls that came meanwhile are served after, :meth:`LocalLane._resume`)."""
+        with self._state:
+            self.busy = False
 
 
 def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> bool:
