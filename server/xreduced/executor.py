@@ -369,11 +369,8 @@ def execute_fused(
              for d, arrays in targets.items()} if out else targets
     fused = Fused(plan, inputs, sinks, chunk_bytes=chunk_bytes, threads=threads)
     fused.run(inputs, sinks, mean, deadline)
-    if sinks is not targets:
-        for d, arrays in targets.items():
-            for dst, sink in zip(arrays, sinks[d]):
-                if sink is not dst:
-                    np.copyto(dst, sink)
+    for copy in _copies(sinks, targets):
+        copy()
     return targets
 
 
@@ -442,11 +439,7 @@ class Fused:
         targets, sinks = sinks, _own(sinks) if self.private(mean) else sinks
         run = self._runner(inputs, sinks, mean)
         run.deadline = deadline or Deadline(None)
-        groups = self._groups()
-        if len(groups) == 1:
-            run(groups[0])
-        else:
-            run.parallel(groups, run)
+        run.parallel(self._groups(), run)
         for copy in _copies(sinks, targets):
             copy()
 
@@ -492,10 +485,11 @@ def _own(sinks: Mapping[int, Sequence[np.ndarray]]) -> dict[int, list[np.ndarray
 
 
 def _copies(made: Mapping[int, Sequence[np.ndarray]], targets: Mapping[int, Sequence[np.ndarray]]) -> list:
-    """The copies of ``made`` (:func:`_own`'s arrays) into ``targets``, one per array; none when they are one."""
+    """The copies of arrays ``made`` apart (:func:`_own`'s, or :func:`execute_fused`'s for sinks that are not
+    C-contiguous) into their ``targets``, one per target array; none for an array that is its own target."""
     if made is targets:
         return []
-    pairs = {id(t): (t, m) for d, arrays in targets.items() for t, m in zip(arrays, made[d])}
+    pairs = {id(t): (t, m) for d, arrays in targets.items() for t, m in zip(arrays, made[d]) if m is not t}
     return [functools.partial(np.copyto, t, m) for t, m in pairs.values()]
 
 
@@ -522,10 +516,7 @@ class Bound:
         try:
             run = self._runner
             run.deadline, run.failed = deadline or Deadline(None), False
-            if len(self._groups) == 1:
-                run.evaluate(self._groups[0])
-            else:
-                run.parallel(self._groups, run.evaluate)
+            run.parallel(self._groups, run.evaluate)
             for copy in self._after:
                 copy()
         finally:
@@ -622,7 +613,8 @@ class _Runner:
         return operations
 
     def parallel(self, groups: list[list], work: Callable[[list], None]) -> None:
-        """``work(group)`` for each of ``groups`` on the pool's threads; this thread takes the last."""
+        """``work(group)`` for each of ``groups`` on the pool's threads; this thread takes the last (a single
+        group: this thread alone)."""
         futures = [_POOL.submit(self._guarded, work, g) for g in groups[:-1]]
         error = None
         try:
