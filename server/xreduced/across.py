@@ -63,9 +63,9 @@ from xreduced.collective import (
     join_shares,
     share_of,
 )
+from xreduced.deadline import Deadline
 from xreduced.engine import MEAN, SUM, Engine, Result, Value, is_sparse
 from xreduced.errors import Aborted, InvalidArgument, ServiceError
-from xreduced.executor import Deadline
 
 _HEADER = 48
 """int64 words of a collective's header: status, signature, replicas, bytes, dtype, ndim, then the shape."""

@@ -25,8 +25,8 @@ import numpy as np
 from xreduce.v1 import xreduce_pb2 as pb
 
 from xreduced import gloo
+from xreduced.deadline import Deadline
 from xreduced.errors import Aborted, DeadlineExceeded, ServiceError, Unavailable
-from xreduced.executor import Deadline
 
 if TYPE_CHECKING:
     from xreduced.nccl_engine import NcclEngine

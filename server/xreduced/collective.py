@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 from xreduce.wire.sparse import Slices
 
+from xreduced.deadline import Deadline
 from xreduced.engine import Engine, PreparedReduction, Result, Value
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline
 from xreduced.prepared import Recent
 
 log = logging.getLogger("xreduced.collective")

@@ -27,10 +27,10 @@ from xreduce.wire import sparse as wire_sparse
 from xreduce.wire.layout import OUTPUT_ALIGNMENT, output_layout
 
 from xreduced import planner
+from xreduced.deadline import Deadline
 from xreduced.devices import DeviceTable
 from xreduced.engine import MEAN, SUM, Value
 from xreduced.errors import FailedPrecondition, InvalidArgument
-from xreduced.executor import Deadline
 from xreduced.regions import CallRegions
 
 MAX_PROCESSES = 65536

@@ -23,8 +23,9 @@ from xreduce.wire.sparse import Slices, concat
 from xreduced import planner
 from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
+from xreduced.deadline import Deadline
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Bound, Deadline, Fused, check_out, execute
+from xreduced.executor import Bound, Fused, check_out, execute
 
 SUM = "SUM"
 MEAN = "MEAN"

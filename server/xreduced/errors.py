@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Self
+
 import grpc
 
 
 class ServiceError(Exception):
-    """Base: an error with a gRPC status code and a message a person can act on.
+    """Base: an error with a gRPC status code and a message a person can act on; ``process_ids``: the
+    processes of a group it is about (those a collective waited for, the one that left), else empty.
 
     Example:
         >>> ServiceError("the engine broke").code.name
         'INTERNAL'
+        >>> Aborted("process 1 left", process_ids=[1]).process_ids
+        (1,)
     """
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "", *, process_ids: Iterable[int] = ()):
+        super().__init__(message)
+        self.process_ids = tuple(process_ids)
+
+    def copy(self, message: str | None = None) -> Self:
+        """A new error of the same class with the same fields (``process_ids``, a subclass's own) and no
+        traceback; ``message`` replaces the message. One error raised in several threads would keep every
+        thread's frames alive: each raises a copy.
+
+        Example:
+            >>> e = Aborted("process 1 left", process_ids=[1]).copy("collective 3 was aborted: process 1 left")
+            >>> type(e).__name__, str(e), e.process_ids
+            ('Aborted', 'collective 3 was aborted: process 1 left', (1,))
+        """
+        error = type(self).__new__(type(self))
+        error.__dict__.update(self.__dict__)
+        error.args = (str(self) if message is None else message,)
+        return error
 
 
 class InvalidArgument(ServiceError):

@@ -29,7 +29,6 @@ import functools
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,7 +37,8 @@ from xreduce.wire.contract import mean_dtype
 
 from xreduced.backends import Backend, HostMemory
 from xreduced.backends.numpy_backend import divide
-from xreduced.errors import DeadlineExceeded, InvalidArgument
+from xreduced.deadline import Deadline
+from xreduced.errors import InvalidArgument
 from xreduced.planner import NCCL, Copy, Plan, Sum
 
 CHUNK_BYTES = 256 << 10
@@ -54,37 +54,6 @@ THREADS = os.cpu_count() or 1
 
 Out = Mapping[int, Sequence[np.ndarray | None]]
 """Caller-provided result arrays: destination device -> one array (or None) per tensor."""
-
-
-class Deadline:
-    """A point in monotonic time after which work stops.
-
-    Example:
-        >>> Deadline(None).remaining() is None
-        True
-    """
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self._at = None if seconds is None else time.monotonic() + seconds
-
-    def remaining(self) -> float | None:
-        """Seconds left, or None when unbounded."""
-        return None if self._at is None else self._at - time.monotonic()
-
-    def check(self, what: str | Callable[[], str]) -> None:
-        """Raises :class:`DeadlineExceeded` naming ``what`` (or what ``what()`` says: a message made only
-        when time is up) once time is up.
-
-        Example:
-            >>> Deadline(0.0).check(lambda: "summing")
-            Traceback (most recent call last):
-            ...
-            xreduced.errors.DeadlineExceeded: timed out after 0 s while summing
-        """
-        if self._at is not None and time.monotonic() >= self._at:
-            doing = what if isinstance(what, str) else what()
-            raise DeadlineExceeded(f"timed out after {self.seconds:g} s while {doing}")
 
 
 def check_out(array: Any, dtype: np.dtype, shape: tuple[int, ...], field: str,

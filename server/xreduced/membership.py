@@ -128,9 +128,7 @@ class LocalGroups:
             m = self._groups.get(group)
             error = m.lost if m is not None else None
         if error is not None:
-            raised = Aborted(f"{label} cannot complete: {error}")
-            raised.process_ids = error.process_ids
-            raise raised
+            raise Aborted(f"{label} cannot complete: {error}", process_ids=error.process_ids)
 
     def groups(self) -> int:
         """Memberships kept now."""
@@ -142,8 +140,7 @@ class LocalGroups:
         was already lost)."""
         if m.lost is not None:
             return None
-        m.lost = Aborted(f"{why}; every process must shutdown() and initialize() again")
-        m.lost.process_ids = (process_id,)
+        m.lost = Aborted(f"{why}; every process must shutdown() and initialize() again", process_ids=(process_id,))
         return m.lost
 
     def _unwatch(self, session: str, group: str, generation: int, process_id: int) -> None:

@@ -97,24 +97,18 @@ def _log_ids(ids: list[int], count: int) -> str:
 
 def _timed_out(c: _Collective, timeout: float) -> DeadlineExceeded:
     missing = c.missing()
-    error = DeadlineExceeded(f"{c.label} timed out after {timeout:.3g}s waiting for process(es) {_ids(missing)}; "
-                             f"arrived: {_ids(sorted(c.arrived))}")
-    error.process_ids = tuple(missing)
-    return error
+    return DeadlineExceeded(f"{c.label} timed out after {timeout:.3g}s waiting for process(es) {_ids(missing)}; "
+                            f"arrived: {_ids(sorted(c.arrived))}", process_ids=missing)
 
 
 def _left(c: _Collective, process_id: int) -> Aborted:
-    error = Aborted(f"{c.label} was aborted: process {process_id} left (its call ended or its process died) before "
-                    "every process arrived")
-    error.process_ids = (process_id,)
-    return error
+    return Aborted(f"{c.label} was aborted: process {process_id} left (its call ended or its process died) before "
+                   "every process arrived", process_ids=(process_id,))
 
 
 def _aborted(c: _Collective, error: ServiceError) -> ServiceError:
     """``error`` for one collective of a group that lost a process: its own copy, named by its label."""
-    copy = type(error)(f"{c.label} was aborted: {error}")
-    copy.process_ids = getattr(error, "process_ids", ())
-    return copy
+    return error.copy(f"{c.label} was aborted: {error}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -226,9 +220,7 @@ class _Collective:
     def fresh_error(self) -> ServiceError:
         """A copy of the error: one exception object raised in several threads would keep every
         thread's frames (and their tensors) alive."""
-        error = type(self.error)(str(self.error))
-        error.process_ids = getattr(self.error, "process_ids", ())
-        return error
+        return self.error.copy()
 
     def raise_error(self) -> NoReturn:
         """Raises a fresh copy of the error."""
@@ -277,7 +269,7 @@ class Rendezvous:
         self._report_after = report_after
         self._open: dict[CollectiveKey, _Collective] = {}
         """The OPEN collectives, by key."""
-        self._failed: collections.OrderedDict[CollectiveKey, tuple[float, type[ServiceError], str]] = (
+        self._failed: collections.OrderedDict[CollectiveKey, tuple[float, ServiceError]] = (
             collections.OrderedDict()
         )
         self._failed_ttl = failed_ttl
@@ -351,8 +343,7 @@ class Rendezvous:
             now = time.monotonic()
             self._expire(now)
             if key in self._failed:
-                _, kind, message = self._failed[key]
-                raise kind(message)
+                raise self._failed[key][1].copy()
             c = self._open.get(key)
             opened = c is None
             if opened:
@@ -572,7 +563,7 @@ class Rendezvous:
         if after is _State.FAILED:
             c.error = error(c) if callable(error) else error
             if remember:
-                self._failed[key] = (time.monotonic() + self._failed_ttl, type(c.error), str(c.error))
+                self._failed[key] = (time.monotonic() + self._failed_ttl, c.error.copy())  # without its traceback
                 self._failed.move_to_end(key)
                 while len(self._failed) > self._max_failed:
                     self._failed.popitem(last=False)
@@ -597,7 +588,7 @@ class Rendezvous:
 
     def _expire(self, now: float) -> None:
         while self._failed:
-            key, (expires, _, _) = next(iter(self._failed.items()))
+            key, (expires, _) = next(iter(self._failed.items()))
             if expires > now:
                 break
             del self._failed[key]

@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 from xreduce.wire import codec
 
+from xreduced.deadline import Deadline
 from xreduced.decode import Slot, timeout_seconds
 from xreduced.engine import Engine, Value
-from xreduced.executor import Deadline
 
 REPEATS_KEPT = 8
 """Requests a lane connection keeps for repeats; the least recently used is forgotten first."""

@@ -39,11 +39,11 @@ from xreduced.collective import (
     reduce_together,
 )
 from xreduced.config import Config
+from xreduced.deadline import Deadline
 from xreduced.deferred import Deferred, then
 from xreduced.devices import DeviceTable
 from xreduced.engine import Engine, Result, Value, check_destinations, is_sparse, result_dtype
 from xreduced.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError
-from xreduced.executor import Deadline
 from xreduced.membership import LocalGroups
 from xreduced.metrics import Stats
 from xreduced.peers import Peers
@@ -786,7 +786,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         timeout, a lost process) broke the lockstep and ends the epoch for everyone."""
         if not refusal:
             cluster.fail(f"{group.label} failed on {cluster.describe(cluster.node_index)}: {error}", report=True,
-                         process_ids=list(getattr(error, "process_ids", ())))
+                         process_ids=list(error.process_ids))
         elif cluster.claim(group.sequence):
             deadline = Deadline(self.collective_timeout)
 

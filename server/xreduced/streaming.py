@@ -48,9 +48,9 @@ from xreduce.wire.framing import CHUNK_OVERHEAD_BYTES, REPLY_CHUNK_BYTES
 
 from xreduced import decode, planner
 from xreduced.admission import InflightBytes, LimitExceeded
+from xreduced.deadline import Deadline
 from xreduced.engine import Value, result_dtype
 from xreduced.errors import DeadlineExceeded, InvalidArgument, ServiceError
-from xreduced.executor import Deadline
 
 METHOD = method_path("ReduceStream")
 

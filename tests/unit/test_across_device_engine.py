@@ -16,8 +16,8 @@ import pytest
 from xreduced import across, planner
 from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import Contribution
+from xreduced.deadline import Deadline
 from xreduced.engine import MEAN, SUM, Engine, Value
-from xreduced.executor import Deadline
 
 
 class DeviceArray:

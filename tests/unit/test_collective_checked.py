@@ -8,9 +8,9 @@ import pytest
 from xreduced import collective
 from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import Contribution, reduce_together
+from xreduced.deadline import Deadline
 from xreduced.engine import Engine, Value
 from xreduced.errors import InvalidArgument
-from xreduced.executor import Deadline
 
 
 def share(pid: int, dtype=np.float32, shape: bytes | None = b"float32[3]", op: str = "SUM") -> Contribution:

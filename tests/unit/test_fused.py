@@ -20,9 +20,10 @@ from xreduce.wire import mean_dtype
 from xreduced import planner
 from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import BroadcastShare, Contribution, broadcast_together, reduce_together
+from xreduced.deadline import Deadline
 from xreduced.engine import MEAN, SUM, Engine, Value, result_dtype
 from xreduced.errors import DeadlineExceeded, InvalidArgument
-from xreduced.executor import Deadline, Fused, execute, execute_fused, execute_generic
+from xreduced.executor import Fused, execute, execute_fused, execute_generic
 
 DTYPES = [np.dtype(d) for d in (
     np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,

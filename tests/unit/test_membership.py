@@ -94,8 +94,7 @@ def test_fail_group_fails_the_groups_waiting_collectives_but_not_its_join():
         t.start()
     while r.pending() < 2:
         pass
-    error = Aborted("process 1 died")
-    error.process_ids = (1,)
+    error = Aborted("process 1 died", process_ids=(1,))
     r.fail_group("g", error)
     threads[0].join(5)
     assert errors == {keys[0]: ("collective seq:3 was aborted: process 1 died", (1,))}

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from xreduced.backends.numpy_backend import NumpyBackend
 from xreduced.collective import Contribution, assign_devices, reduce_together
+from xreduced.deadline import Deadline
 from xreduced.decode import CollectiveKey
 from xreduced.deferred import Deferred
 from xreduced.engine import Engine, Value
 from xreduced.errors import Aborted, DeadlineExceeded, InvalidArgument
-from xreduced.executor import Deadline
 from xreduced.rendezvous import Meeting, Participant, Rendezvous
 
 KEY = CollectiveKey("g", 0)
@@ -66,8 +66,9 @@ def test_timeout_names_the_missing_processes_and_late_arrivals_get_it_too():
     for pid in (0, 2):
         assert isinstance(out[pid], DeadlineExceeded)
         assert str(out[pid]) == f"{LABEL} timed out after 0.2s waiting for process(es) [1, 3]; arrived: [0, 2]"
-    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 3\]"):
+    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 3\]") as late:
         _run(r, 1, num=4, compute=lambda c: c)
+    assert late.value.process_ids == out[0].process_ids == (1, 3)  # a late arrival's error names them as well
     assert r.pending() == 0 and r.remembered_failures() == 1
 
 
@@ -414,16 +415,16 @@ def test_fail_group_reaches_threads_and_deferred_participants_but_not_the_join()
     other = _run(r, 0, key=CollectiveKey("h", 0), defer=True)
     for _ in range(4):
         assert arrived.acquire(timeout=10)
-    error = Aborted("process 1 died")
-    error.process_ids = (1,)
+    error = Aborted("process 1 died", process_ids=(1,))
     r.fail_group("g", error)
     thread.join(10)
     for got in (waiting.error, out["out"]):
         assert isinstance(got, Aborted) and got.process_ids == (1,)
         assert str(got) == f"{LABEL} was aborted: process 1 died"
     assert not join.done and not other.done and r.pending() == 2
-    with pytest.raises(Aborted, match="process 1 died"):  # remembered for late arrivals
+    with pytest.raises(Aborted, match="process 1 died") as late:  # remembered for late arrivals
         _run(r, 1)
+    assert late.value.process_ids == (1,)
 
 
 def test_a_failure_is_remembered_for_late_arrivals_until_its_group_is_forgotten():
@@ -456,8 +457,7 @@ def test_an_abandoned_collective_fails_its_waiters_and_is_remembered():
     def abandoned():
         if not over.is_set():
             return None
-        error = Aborted("epoch 3 is over")
-        error.process_ids = (2,)
+        error = Aborted("epoch 3 is over", process_ids=(2,))
         return error
 
     thread, out = _in_thread(lambda: _run(r, 0, timeout=30.0, abandoned=abandoned, remember_failure=False))
