@@ -2,7 +2,8 @@
 ``torch.distributed`` job started as plain processes in the nodes with torchrun's variables (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` node 1's address, ``MASTER_PORT``): torch's store listens on node 1 and node 2's
 ranks reach it over the link. DDP (``examples/torch_ddp.py``) over ``xreduce`` against the same ranks over Gloo;
-where the coordinator serves; a rank killed during training.
+the same job under torchrun itself, an agent in each node; where the coordinator serves; a rank killed during
+training.
 """
 
 from __future__ import annotations
@@ -168,6 +169,40 @@ def test_ddp_across_two_nodes_trains_to_gloos_weights(nodes, tmp_path, per_node)
         ranks = [[p["process_id"] for p in n["processes"]] for n in group["nodes"]]
         assert ranks == [list(range(per_node)), list(range(per_node, 2 * per_node))], where
         assert int(group["cross_node_collectives"]) > 0 and group["state"] == "left", where
+
+
+def test_torchrun_across_two_nodes_trains_the_weights_of_the_same_ranks_started_plain(nodes, tmp_path):
+    """torchrun itself, an agent in each node (``--nnodes 2 --node-rank N``, its static rendezvous: node 1's agent
+    serves torch's store at ``MASTER_ADDR:MASTER_PORT``), two ranks each, ``examples/torch_ddp.py`` over
+    ``xreduce``: the weights of the same four ranks started as plain processes, bit for bit (the same node sums,
+    then the same sum across), and the group spans both nodes with torchrun's ranks in them."""
+    ddp(nodes, "xreduce", 2, tmp_path / "plain.pt")
+    port = next(PORTS)
+    env = {**clean_env(), "PYTHONUNBUFFERED": "1", "XREDUCE_ADDRESS": DAEMON, "XREDUCE_STALL_WARNING_SECONDS": "0",
+           "GLOO_SOCKET_IFNAME": INTERFACE}
+    agents = [node.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                          "--node-rank", str(k), "--master-addr", nodes[1].address, "--master-port", str(port),
+                          "examples/torch_ddp.py", "--backend", "xreduce", "--out", str(tmp_path / "torchrun.pt")],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for k, node in enumerate(nodes)]
+    try:
+        outputs = [agent.communicate(timeout=JOB_TIMEOUT)[0] for agent in agents]
+    finally:  # an agent that SIGTERM reaches ends its ranks first
+        for agent in agents:
+            if agent.poll() is None:
+                agent.terminate()
+                try:
+                    agent.wait(10)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "backend xreduce, 4 rank(s)" in outputs[0] and "OK: 4 rank(s) end with the same weights" in outputs[0]
+    ours, theirs = torch.load(tmp_path / "torchrun.pt"), torch.load(tmp_path / "plain.pt")
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    for index, node in enumerate(nodes):
+        (group,) = coordinated_at(node, f"{nodes[1].address}:{port + 1}")
+        ranks = [[p["process_id"] for p in n["processes"]] for n in group["nodes"]]
+        assert (group["node_index"], ranks) == (index, [[0, 1], [2, 3]]), group
 
 
 def test_the_coordinator_serves_where_xreduce_coordinator_says(nodes):
