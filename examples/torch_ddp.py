@@ -8,9 +8,12 @@ every few steps and, at the end, whether every rank ended with the same weights 
     python examples/torch_ddp.py                                        # 1 rank (no torchrun needed)
     torchrun --nproc-per-node 2 examples/torch_ddp.py --backend gloo    # the same on Gloo
     torchrun --nproc-per-node 2 examples/torch_ddp.py --hook            # Gloo's group, xreduce's hook
+    torchrun --nproc-per-node 2 examples/torch_ddp.py --keras           # the MLP a Keras 3 model
 
 Options: --steps N, --backend xreduce|gloo, --hook (default group Gloo, gradients through the daemon
-with ``xreduce.torch.allreduce_hook``), --out FILE (rank 0 saves the weights).
+with ``xreduce.torch.allreduce_hook``), --keras (the same MLP built with Keras 3 on its torch backend: a
+Keras model is a ``torch.nn.Module``, and DDP trains it on the default group), --out FILE (rank 0 saves
+the weights).
 """
 
 from __future__ import annotations
@@ -37,19 +40,32 @@ def single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def mlp(keras_layers: bool) -> torch.nn.Module:
+    """The MLP, the same initial weights in every rank (DDP also broadcasts rank 0's); ``keras_layers``: built
+    with Keras 3 on its torch backend."""
+    torch.manual_seed(0)
+    if not keras_layers:
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    os.environ["KERAS_BACKEND"] = "torch"  # read when keras is first imported
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backend", default="xreduce", choices=["xreduce", "gloo"])
     parser.add_argument("--hook", action="store_true", help="Gloo as the default group, gradients via xreduce")
+    parser.add_argument("--keras", action="store_true", help="the MLP built with Keras 3 (its torch backend)")
     parser.add_argument("--out", help="rank 0 saves the final weights here (torch.save)")
     args = parser.parse_args()
     single_process_env()
 
     dist.init_process_group("gloo" if args.hook else args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model = mlp(args.keras)
     ddp = DistributedDataParallel(model)
     if args.hook:
         ddp.register_comm_hook(dist.new_group(backend="xreduce"), xreduce.torch.allreduce_hook)
@@ -58,7 +74,7 @@ def main() -> None:
     truth = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
     if rank == 0:
         name = "gloo + xreduce hook" if args.hook else dist.get_backend()
-        print(f"backend {name}, {size} rank(s)", flush=True)
+        print(f"backend {name}, {size} rank(s)" + (", a Keras model" if args.keras else ""), flush=True)
     for step in range(args.steps):
         x = torch.randn(32, 64, generator=data)
         loss = torch.nn.functional.mse_loss(ddp(x), x @ truth)

@@ -1,4 +1,4 @@
-"""examples/torch_ddp.py under torchrun (1 and 2 ranks, ``--hook``) and as a plain script (1 rank).
+"""examples/torch_ddp.py under torchrun (1 and 2 ranks, ``--hook``, ``--keras``) and as a plain script (1 rank).
 
 Each run's loss falls and rank 0 says that every rank ended with the same weights (the example gathers their
 checksums); runs that must train the same weights (one rank with or without torchrun; two ranks over xreduce or
@@ -70,3 +70,14 @@ def test_hook_trains_the_weights_of_the_xreduce_backend(example):
     assert banner == "backend gloo + xreduce hook, 2 rank(s)"
     assert losses[-1] < losses[0]
     assert same == example(2)[2]
+
+
+def test_a_keras_model_trains_under_ddp_to_the_weights_of_gloo(example):
+    """``--keras``: the MLP built with Keras 3 on its torch backend (a Keras model is a ``torch.nn.Module``), DDP
+    over ``xreduce`` on two ranks: every rank ends with the weights DDP over Gloo trains, bit for bit."""
+    banner, losses, same = example(2, "--keras")
+    assert banner == "backend xreduce, 2 rank(s), a Keras model"
+    assert losses[-1] < losses[0]
+    gloo_banner, _, gloos = example(2, "--keras", "--backend", "gloo")
+    assert gloo_banner == "backend gloo, 2 rank(s), a Keras model"
+    assert same == gloos and same != example(2)[2]  # not the torch.nn MLP's weights
