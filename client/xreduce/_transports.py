@@ -18,6 +18,7 @@ carries one), and a line in :func:`choose`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -270,8 +271,8 @@ class _RegionsPath(Transport):
         self._shm = shm
         self._fallback = fallback
 
-    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
-        """(what stages: ``stage``/``output``, the arrays to stage, each pair's first array, each pair's restore)."""
+    def _inputs(self, call: ReduceCall) -> _Inputs:
+        """What this path stages of ``call``, and with what."""
         raise NotImplementedError
 
     def _lane(self, session: str) -> _lane.Lane | None:
@@ -292,44 +293,87 @@ class _RegionsPath(Transport):
     def reduce(self, call: ReduceCall) -> list[Any]:
         given = call
         call, finish = self._fuse(call)
-        stager, arrays, firsts, restores = self._stager(call)
+        inputs = self._inputs(call)
+
+        def output() -> tuple[pb.RegionSlice, Any]:
+            placed = self._placed(call) if call is given else None
+            return placed or inputs.stager.output(output_layout([
+                (len(p.destinations), mean_dtype(first.dtype) if call.op == "MEAN" else first.dtype,
+                 tuple(first.shape)) for p, first in zip(call.pairs, inputs.firsts)]).nbytes)
+
         try:
-            tensors, free = stager.stage(arrays)
-            try:
-                placed = self._placed(call) if call is given else None
-                output, result = placed or stager.output(output_layout([
-                    (len(p.destinations), mean_dtype(first.dtype) if call.op == "MEAN" else first.dtype,
-                     tuple(first.shape)) for p, first in zip(call.pairs, firsts)]).nbytes)
-            except BaseException:
-                free(failed=True)
-                raise
+            staged = _Staged.make(inputs.stager, inputs.arrays, output)
         except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
             if self._fallback is None:
                 raise
             return self._fallback().reduce(given)
-        try:
-            it = iter(tensors)
+        with staged.answered():
+            it = iter(staged.tensors)
             values = [pb.DistributedValue(components=[pb.Component(device=d, tensor=next(it)) for d in p.devices],
                                           fused_parts=_fusion.fused_parts(p.value)) for p in call.pairs]
             session = self._shm.session_id()
-            results = _send(self._client, call, values, session, lane=self._lane(session), output=output)
-        except BaseException:
-            free(failed=True)  # no answer: the daemon may still use the staged inputs, and the output
-            _abandon(result)
-            raise
-        free()
-        return finish([_regroup(r, restore, result) for r, restore in zip(results, restores)])
+            results = _send(self._client, call, values, session, lane=self._lane(session), output=staged.output)
+        return finish([_regroup(r, restore, staged.result) for r, restore in zip(results, inputs.restores)])
 
 
 def _as_they_are(results: list[Any]) -> list[Any]:
     return results
 
 
-def _abandon(result: Callable) -> None:
-    """Lets a failed call's shared-memory output segment go now (a CUDA IPC output buffer goes back to its
-    pool when its results are gone, as before)."""
-    if isinstance(result, Output):
-        result.abandon()
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a regions path stages of a call (:meth:`_RegionsPath._inputs`)."""
+
+    stager: Any
+    """What stages them and makes the output: ``stage(arrays)`` and ``output(nbytes)``."""
+    arrays: list[Any]
+    """The arrays to stage, pair by pair."""
+    firsts: list[Any]
+    """Each pair's first array (its result's dtype and shape)."""
+    restores: list[Callable]
+    """Each pair's restore: a result as the caller's values were (e.g. a CuPy array, a shape)."""
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A call's inputs staged and its output made (:meth:`make`): the staged tensors, the output slice, its
+    result reader, and what lets the staged inputs go (``free(failed=...)``)."""
+
+    tensors: list[Any]
+    output: pb.RegionSlice
+    result: Any
+    free: Callable[..., None]
+
+    @classmethod
+    def make(cls, stager: Any, arrays: list[Any], output: Callable[[], tuple[pb.RegionSlice, Any]]) -> _Staged:
+        """Stages ``arrays`` with ``stager``, then makes the output (``output()``); what was staged goes again
+        when that fails.
+
+        Raises:
+            OSError: no room to stage or for the output.
+        """
+        tensors, free = stager.stage(arrays)
+        try:
+            region, result = output()
+        except BaseException:
+            free(failed=True)
+            raise
+        return cls(tensors, region, result, free)
+
+    @contextlib.contextmanager
+    def answered(self) -> Iterator[None]:
+        """The block sends the call and reads its answer: after it, the staged inputs go; when it raises (no
+        answer: the daemon may still read the inputs and write the output), they go as failed and the output
+        is abandoned (a shared-memory output segment goes now; a CUDA IPC output buffer goes back to its pool
+        when its results are gone, as before)."""
+        try:
+            yield
+        except BaseException:
+            self.free(failed=True)
+            if isinstance(self.result, Output):
+                self.result.abandon()
+            raise
+        self.free()
 
 
 class SharedMemoryPath(_RegionsPath):
@@ -346,35 +390,25 @@ class SharedMemoryPath(_RegionsPath):
             return None
         return self._shm.place(call.out)
 
-    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
+    def _inputs(self, call: ReduceCall) -> _Inputs:
         hosts = [p.value.hosts() for p in call.pairs]
-        return self._shm, [h.array for hs in hosts for h in hs], [hs[0].array for hs in hosts], \
-            [hs[0].restore for hs in hosts]
+        return _Inputs(self._shm, [h.array for hs in hosts for h in hs], [hs[0].array for hs in hosts],
+                       [hs[0].restore for hs in hosts])
 
     def broadcast(self, call: BroadcastCall) -> Any:
         try:
-            (staged,), free = self._shm.stage([call.tensor])
-            try:
-                output, result = self._shm.output(
-                    output_layout([(len(call.destinations), call.tensor.dtype, call.tensor.shape)]).nbytes)
-            except BaseException:
-                free(failed=True)
-                raise
+            staged = _Staged.make(self._shm, [call.tensor], lambda: self._shm.output(
+                output_layout([(len(call.destinations), call.tensor.dtype, call.tensor.shape)]).nbytes))
         except OSError:  # no room in /dev/shm: the wire, unless shared memory was insisted on
             if self._fallback is None:
                 raise
             return self._fallback().broadcast(call)
         request = pb.BroadcastRequest(destinations=call.destinations, source_device=call.source_device,
-                                      collective=call.collective, tensor=staged, output=output)
-        try:
+                                      collective=call.collective, tensor=staged.tensors[0], output=staged.output)
+        with staged.answered():
             session = self._shm.session_id()
             reply = _unary(self._client, self._lane(session), "Broadcast", request, None, session)
-        except BaseException:
-            free(failed=True)  # no answer: the daemon may still use the staged input, and the output
-            _abandon(result)
-            raise
-        free()
-        return _regroup(reply.result, call.restore, result)
+        return _regroup(reply.result, call.restore, staged.result)
 
 
 class CudaIpcPath(_RegionsPath):
@@ -386,7 +420,7 @@ class CudaIpcPath(_RegionsPath):
         super().__init__(client, shm, fallback)
         self._staging = staging
 
-    def _stager(self, call: ReduceCall) -> tuple[Any, list[Any], list[Any], list[Callable]]:
+    def _inputs(self, call: ReduceCall) -> _Inputs:
         raw = [list(p.value.values) for p in call.pairs]
-        return self._staging, [a for values in raw for a in values], [values[0] for values in raw], \
-            [(lambda a: a)] * len(call.pairs)
+        return _Inputs(self._staging, [a for values in raw for a in values], [values[0] for values in raw],
+                       [(lambda a: a)] * len(call.pairs))

@@ -57,11 +57,12 @@ from xreduced.cluster import ClusterGroup
 from xreduced.collective import (
     BroadcastShare,
     Contribution,
+    broadcast_shares,
     broadcast_together,
-    check_out_devices,
+    check_broadcast_shares,
     check_shares,
     join_shares,
-    share_of,
+    tensor_dest_fields,
 )
 from xreduced.deadline import Deadline
 from xreduced.engine import MEAN, SUM, Engine, Result, Value, is_sparse
@@ -125,7 +126,7 @@ def reduce_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int, Co
         joined, _ = join_shares(engine, shares, what)
         # Everything the node's sum could refuse, refused before the nodes agree to go on.
         routes = engine.routes(SUM, joined, algorithm=ref.algorithm, num_packs=ref.num_packs,
-                               dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))])
+                               dest_fields=tensor_dest_fields(len(joined)))
         templates = [v.arrays[0] for v, _ in joined]
         sig = signature(ref.kind, ref.op, ref.num_packs, ref.algorithm,
                         [(_agreed(v.arrays[0]), v.parts) for v, _ in joined])
@@ -312,18 +313,9 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     array = None
     source_pid = shares[min(shares)].source_process
     try:
-        for pid, share in sorted(shares.items()):
-            if share.source_process != source_pid:
-                raise InvalidArgument(f"process {pid} sent source_process={share.source_process} but process "
-                                      f"{min(shares)} sent source_process={source_pid} for {what}")
-            check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
-        if source_pid not in cluster.node_of:
-            raise InvalidArgument(f"source_process={source_pid} is not a process of {what}")
+        check_broadcast_shares(engine, shares, what, cluster.node_of)
         if source_pid in shares:
-            array = shares[source_pid].array
-            if array is None:
-                raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
-            array = np.asarray(engine.backend.to_host(array), order="C")
+            array = np.asarray(engine.backend.to_host(shares[source_pid].array), order="C")
             mine = header(_OK, signature("Broadcast", source_pid), 0, array.nbytes, array.dtype, array.shape)
         else:
             mine = header(_OK, signature("Broadcast", source_pid))
@@ -347,13 +339,8 @@ def broadcast_across(cluster: ClusterGroup, engine: Engine, shares: Mapping[int,
     h = headers[root]
     dtype = codec.numpy_dtype(int(h[4]))
     received = received.view(dtype).reshape(tuple(int(x) for x in h[8:8 + int(h[5])]))
-    out: dict[int, np.ndarray] = {}
-    for share in shares.values():
-        for d, target in (share.out or {}).items():
-            out.setdefault(d, target)
-    dests = sorted({d for share in shares.values() for d in share.destinations})
-    result = engine.broadcast(received, dests[0], dests, deadline, out=out or None)
-    return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
+    first = min(d for share in shares.values() for d in share.destinations)
+    return broadcast_shares(engine, shares, received, first, deadline)
 
 
 def refuse_across(cluster: ClusterGroup, sequence: int, reason: str, what: str, deadline: Deadline) -> None:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -92,7 +92,7 @@ def reduce_together(engine: Engine, shares: Mapping[int, Contribution], what: st
     joined, outs = join_shares(engine, shares, what)
     results = engine.batch_reduce(
         ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
-        deadline=deadline, dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))],
+        deadline=deadline, dest_fields=tensor_dest_fields(len(joined)),
         out=outs if any(outs) else None, checked=checked,
     )
     if joint is not None and not checked:  # everything checked passed: the next collective of these shapes skips
@@ -132,7 +132,7 @@ class Joint:
         for t, (value, dests) in enumerate(joined):
             source = {d: (pid, k) for pid, c in shares.items() for k, d in enumerate(c.pairs[t][0].devices)}
             self.pairs.append((value.devices, tuple(source[d] for d in value.devices), dests, value.parts))
-        self.dest_fields = [f"destinations of tensor {t}" for t in range(len(joined))]
+        self.dest_fields = tensor_dest_fields(len(joined))
         self.destinations = {pid: [dests for _, dests in c.pairs] for pid, c in shares.items()}
         """Each process's destinations, pair by pair."""
         self.replies: dict[int, Any] = {}
@@ -282,7 +282,7 @@ def prepared_together(engine: Engine, shares: Mapping[int, Contribution], what: 
             return None
     ref = shares[min(shares)]
     return engine.prepare(ref.op, joined, num_packs=ref.num_packs, algorithm=ref.algorithm, reduce_to=ref.reduce_to,
-                          dest_fields=[f"destinations of tensor {t}" for t in range(len(joined))], out=outs)
+                          dest_fields=tensor_dest_fields(len(joined)), out=outs)
 
 
 class Reductions:
@@ -367,28 +367,61 @@ def broadcast_together(engine: Engine, shares: Mapping[int, BroadcastShare], wha
                        deadline: Deadline) -> dict[int, Result]:
     """Broadcasts the source process's tensor to every process's destinations,
     each process's into its own ``out`` arrays."""
-    ref_pid = min(shares)
-    source_pid = shares[ref_pid].source_process
+    source = shares[check_broadcast_shares(engine, shares, what, shares)]
+    origin = source.source if source.source is not None else source.destinations[0]
+    return broadcast_shares(engine, shares, source.array, origin, deadline)
+
+
+def check_broadcast_shares(engine: Engine, shares: Mapping[int, BroadcastShare], what: str,
+                           processes: Container[int]) -> int:
+    """The source process every share names, checked against ``processes`` (the collective's: this daemon's, or
+    every node's), with each share's ``out`` devices.
+
+    Raises:
+        InvalidArgument: the processes disagree on the source, it is not one of ``processes``, it is here and
+            sent no tensor, or an ``out`` array is on a device that is not one of its process's destinations.
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> share = BroadcastShare(1, np.zeros(2), None, (0, 1))
+        >>> check_broadcast_shares(Engine(NumpyBackend(2)), {1: share}, "collective 0", {0, 1})
+        1
+    """
+    first = min(shares)
+    source_pid = shares[first].source_process
     for pid, share in sorted(shares.items()):
         if share.source_process != source_pid:
-            raise InvalidArgument(
-                f"process {pid} sent source_process={share.source_process} but process {ref_pid} sent "
-                f"source_process={source_pid} for {what}"
-            )
-    if source_pid not in shares:
-        raise InvalidArgument(f"source_process={source_pid} is not a process of {what}")
-    source = shares[source_pid]
-    if source.array is None:
-        raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
-    out: dict[int, np.ndarray] = {}
-    for pid, share in sorted(shares.items()):
+            raise InvalidArgument(f"process {pid} sent source_process={share.source_process} but process {first} "
+                                  f"sent source_process={source_pid} for {what}")
         check_out_devices(engine, share.out, share.destinations, f"process {pid}'s out for {what}")
+    if source_pid not in processes:
+        raise InvalidArgument(f"source_process={source_pid} is not a process of {what}")
+    if source_pid in shares and shares[source_pid].array is None:
+        raise InvalidArgument(f"process {source_pid} is the source of {what} but sent no tensor")
+    return source_pid
+
+
+def broadcast_shares(engine: Engine, shares: Mapping[int, BroadcastShare], array: Any, origin: int,
+                     deadline: Deadline) -> dict[int, Result]:
+    """``array`` (on device ``origin``) to every share's destinations, each process's part in its own ``out``
+    arrays (the first given for a device, in process order)."""
+    out: dict[int, np.ndarray] = {}
+    for _, share in sorted(shares.items()):
         for d, target in (share.out or {}).items():
             out.setdefault(d, target)
     dests = sorted({d for share in shares.values() for d in share.destinations})
-    origin = source.source if source.source is not None else source.destinations[0]
-    result = engine.broadcast(source.array, origin, dests, deadline, out=out or None)
+    result = engine.broadcast(array, origin, dests, deadline, out=out or None)
     return {pid: share_of(engine, result, share.destinations, share.out) for pid, share in shares.items()}
+
+
+def tensor_dest_fields(count: int) -> list[str]:
+    """The fields a joined batch's destinations are named by in messages, tensor by tensor.
+
+    Example:
+        >>> tensor_dest_fields(2)
+        ['destinations of tensor 0', 'destinations of tensor 1']
+    """
+    return [f"destinations of tensor {t}" for t in range(count)]
 
 
 def check_out_devices(engine: Engine, out: Mapping[int, np.ndarray] | None, dests: tuple[int, ...],
