@@ -54,7 +54,7 @@ class ClusterGroup:
         attend: opens the attendance stream (``Peers.Attend``): the epoch's end arrives on it at once.
     """
 
-    def __init__(self, gid: str, num_processes: int, epoch: int, node_index: int, nodes: list[pb.ClusterNode],
+    def __init__(self, gid: str, num_processes: int, epoch: int, node_index: int, nodes: list[pb.ClusterNode],  # noqa: PLR0913
                  engine: gloo.GlooEngine | None, coordinator: str, beat: Callable[[], pb.EpochState],
                  report: Callable[[str, list[int]], None], peer_timeout: float, heartbeat_interval: float,
                  hosted: bool, attend: Callable[[], Any] | None = None, device_engine: NcclEngine | None = None):

@@ -80,6 +80,25 @@ class _Group:
     last_epoch: int = 0
 
 
+
+def _check_registration(request: pb.RegisterRequest) -> None:
+    """Raises ``InvalidArgument`` naming the field of a ``Register`` request that cannot be served.
+
+    Example:
+        >>> _check_registration(pb.RegisterRequest(group="g", num_processes=2, process_id=2))
+        Traceback (most recent call last):
+        ...
+        xreduced.errors.InvalidArgument: process_id: must be in [0, num_processes); got process_id=2, num_processes=2
+    """
+    count, pid = request.num_processes, request.process_id
+    if not request.group:
+        raise InvalidArgument("group: a group name is required; got ''")
+    if count < 1 or not 0 <= pid < count:
+        raise InvalidArgument(f"process_id: must be in [0, num_processes); got process_id={pid}, "
+                              f"num_processes={count}")
+    if not request.node.node_id or not request.node.address:
+        raise InvalidArgument("node: node_id and address are required")
+
 class Coordinator:
     """The membership of every group this coordinator serves; thread-safe; every wait bounded.
 
@@ -130,15 +149,9 @@ class Coordinator:
             DeadlineExceeded: not every process registered within ``timeout``; names who is missing.
             Aborted: the call ended (was cancelled) before the epoch formed.
         """
-        name, count, pid = request.group, request.num_processes, request.process_id
-        if not name:
-            raise InvalidArgument("group: a group name is required; got ''")
-        if count < 1 or not 0 <= pid < count:
-            raise InvalidArgument(f"process_id: must be in [0, num_processes); got process_id={pid}, "
-                                  f"num_processes={count}")
-        if not request.node.node_id or not request.node.address:
-            raise InvalidArgument("node: node_id and address are required")
-        gid = self._group_id(name)
+        _check_registration(request)
+        count, pid = request.num_processes, request.process_id
+        gid = self._group_id(request.group)
         with self._lock:
             group = self._groups.get(gid)
             if group is None or group.num_processes != count and not group.round:
@@ -160,16 +173,7 @@ class Coordinator:
             log.info("event=registered group=%s process=%d registered=%d num_processes=%d", gid, pid,
                      len(group.round), count)
             if len(group.round) == count:
-                try:
-                    group.epoch = self._form(group)
-                except ServiceError as e:
-                    group.round_error = e
-                except Exception:  # a bug: the others must not wait for nothing
-                    log.exception("event=epoch_error group=%s", gid)
-                    group.round_error = Internal(f"forming group {gid!r} failed in the coordinator; see its log")
-                group.round = {}
-                formed.set()
-                self._lock.notify_all()
+                self._close_round(group)
 
         def withdraw() -> None:
             with self._lock:
@@ -192,13 +196,28 @@ class Coordinator:
                     raise Aborted(f"the join of process {pid} of group {gid!r} ended before the epoch formed")
                 raise DeadlineExceeded(
                     f"the join of group {gid!r} timed out after {timeout:.3g}s waiting for process(es) "
-                    f"{missing} to register with the coordinator; registered: {sorted(group.round)}")
+                    f"{missing} to register with the coordinator; registered: {sorted(group.round)}",
+                    process_ids=missing)
             if group.round_error is not None:
-                raise type(group.round_error)(str(group.round_error))
+                raise group.round_error.copy()
             epoch = group.epoch
             return pb.RegisterResponse(epoch=epoch.number, group=gid, nodes=epoch.nodes, engine=epoch.engine,
                                        peer_timeout_seconds=self.peer_timeout,
                                        heartbeat_interval_seconds=self.heartbeat_interval)
+
+    def _close_round(self, group: _Group) -> None:
+        """With the lock held, every process has registered: the epoch forms (or the error each one gets), and
+        the registrations wait no more."""
+        try:
+            group.epoch = self._form(group)
+        except ServiceError as e:
+            group.round_error = e
+        except Exception:  # a bug: the others must not wait for nothing
+            log.exception("event=epoch_error group=%s", group.name)
+            group.round_error = Internal(f"forming group {group.name!r} failed in the coordinator; see its log")
+        group.round = {}
+        group.formed.set()
+        self._lock.notify_all()
 
     def _form(self, group: _Group) -> _Epoch:
         """With the lock held: the nodes of a complete round, node 0 hosting process 0."""

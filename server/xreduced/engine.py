@@ -206,7 +206,7 @@ class Engine:
             out=None if out is None else [out],
         )[0]
 
-    def batch_reduce(
+    def batch_reduce(  # noqa: PLR0913
         self,
         op: str,
         pairs: Sequence[tuple[Value, Sequence[int]]],

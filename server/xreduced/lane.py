@@ -311,7 +311,7 @@ class LocalLane:
         >>> lane.close()
     """
 
-    def __init__(self, address: str, pipeline: CallPipeline, handlers: Mapping[str, grpc.RpcMethodHandler],
+    def __init__(self, address: str, pipeline: CallPipeline, handlers: Mapping[str, grpc.RpcMethodHandler],  # noqa: PLR0913
                  regions: RegionTable, max_connections: int, protect: Callable[[str], None] | None = None,
                  express: Express | None = None, wakeup: Wakeup | None = None,
                  repeat: Callable[[Repeat, str, float | None], None] | None = None):

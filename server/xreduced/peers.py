@@ -173,7 +173,7 @@ class Peers:
                 if not self._linking[coordinator]:
                     del self._linking[coordinator]
 
-    def _join(self, name: str, num_processes: int, process_id: int, coordinator: str, host: str, port: int,
+    def _join(self, name: str, num_processes: int, process_id: int, coordinator: str, host: str, port: int,  # noqa: PLR0913
               gid: str, devices: list[str], timeout: float, on_end=None) -> ClusterGroup:
         if process_id == 0:
             self._serve_coordinator(coordinator, gid)

@@ -270,7 +270,7 @@ def collective_key(message) -> bytes:
         spec.sequence = sequence
 
 
-def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to: int | None,
+def kept(kind: str, request, op: str, num_packs: int, algorithm: str, reduce_to: int | None,  # noqa: PLR0913
          dest_fields: Sequence[str], resolved: Sequence[tuple[Value, tuple[int, ...]]],
          slots: Sequence[dict[int, Slot] | None], pinned: dict[str, Any], held: int) -> Repeat | None:
     """The :class:`Repeat` of a solo request the service validated and reduced, or None when it cannot be

@@ -108,7 +108,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
         ['CPU:0', 'CPU:1']
     """
 
-    def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = Config.collective_timeout,
+    def __init__(self, engine: Engine, backend_name: str, collective_timeout: float = Config.collective_timeout,  # noqa: PLR0913
                  rendezvous: Rendezvous | None = None, config: Config | None = None,
                  regions: RegionTable | None = None, *, devices: DeviceTable | None = None,
                  prepared: PreparedCalls | None = None, admission: Admission | None = None,
@@ -730,7 +730,7 @@ class CrossDeviceOpsService(pb_grpc.CrossDeviceOpsServicer):
                                   "sequence order: leave the name empty")
         return cluster
 
-    def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,
+    def _meet(self, group: decode.Group, share, deadline: Deadline, context, compute, remember_failure=True,  # noqa: PLR0913
               cluster: ClusterGroup | None = None, deferrable: bool = False, joining: bool = False):
         """This process's share of the collective; with ``deferrable``, for a caller that can wait without a
         thread (a local-lane call: ``context.defers``) in a group on this node, a

@@ -92,8 +92,9 @@ def test_one_node_has_no_engine_even_with_nccl(coordinator):
 
 def test_missing_processes_are_named_after_the_timeout(coordinator):
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 2\] to register"):
+    with pytest.raises(DeadlineExceeded, match=r"waiting for process\(es\) \[1, 2\] to register") as e:
         coordinator.register(pb.RegisterRequest(group="job", num_processes=3, process_id=0, node=node("a")), 0.3)
+    assert e.value.process_ids == (1, 2)
     assert time.monotonic() - start < 5  # bounded by the timeout given, not forever
 
 
