@@ -8,7 +8,7 @@ every few steps and, at the end, whether every rank ended with the same weights 
     python examples/torch_ddp.py                                        # 1 rank (no torchrun needed)
     torchrun --nproc-per-node 2 examples/torch_ddp.py --backend gloo    # the same on Gloo
     torchrun --nproc-per-node 2 examples/torch_ddp.py --hook            # Gloo's group, xreduce's hook
-    torchrun --nproc-per-node 2 examples/torch_ddp.py --keras           # the MLP a Keras 3 model
+    torchrun --nproc-per-node 2 examples/torch_ddp.py --keras           # the MLP built with Keras 3
 
 Options: --steps N, --backend xreduce|gloo, --hook (default group Gloo, gradients through the daemon
 with ``xreduce.torch.allreduce_hook``), --keras (the same MLP built with Keras 3 on its torch backend: a

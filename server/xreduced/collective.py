@@ -404,7 +404,14 @@ def check_broadcast_shares(engine: Engine, shares: Mapping[int, BroadcastShare],
 def broadcast_shares(engine: Engine, shares: Mapping[int, BroadcastShare], array: Any, origin: int,
                      deadline: Deadline) -> dict[int, Result]:
     """``array`` (on device ``origin``) to every share's destinations, each process's part in its own ``out``
-    arrays (the first given for a device, in process order)."""
+    arrays (the first given for a device, in process order).
+
+    Example:
+        >>> from xreduced.backends.numpy_backend import NumpyBackend
+        >>> shares = {0: BroadcastShare(0, np.arange(2.0), None, (0,)), 1: BroadcastShare(0, None, None, (1,))}
+        >>> broadcast_shares(Engine(NumpyBackend(2)), shares, np.arange(2.0), 0, Deadline(None))[1].arrays
+        (array([0., 1.]),)
+    """
     out: dict[int, np.ndarray] = {}
     for _, share in sorted(shares.items()):
         for d, target in (share.out or {}).items():

@@ -80,7 +80,6 @@ class _Group:
     last_epoch: int = 0
 
 
-
 def _check_registration(request: pb.RegisterRequest) -> None:
     """Raises ``InvalidArgument`` naming the field of a ``Register`` request that cannot be served.
 
@@ -98,6 +97,7 @@ def _check_registration(request: pb.RegisterRequest) -> None:
                               f"num_processes={count}")
     if not request.node.node_id or not request.node.address:
         raise InvalidArgument("node: node_id and address are required")
+
 
 class Coordinator:
     """The membership of every group this coordinator serves; thread-safe; every wait bounded.
