@@ -175,18 +175,22 @@ class Express:
         if call is None:
             return None
         arrival = Arrival(connection, method, incoming, timeout, now, shape, prepared, spec.process_id, key, call)
+        refused = None
         with self._lock:
             waiting = self._pending.setdefault(key, {})
             first = next(iter(waiting.values()), None)
             if first is not None and first.incoming.message.collective.num_processes != spec.num_processes:
-                return [], self._hand([*self._release(key), arrival], "the processes disagree on num_processes")
-            if spec.process_id in waiting:  # twice: the full path says so
-                return [], self._hand([*self._release(key), arrival], "a process arrived twice")
-            waiting[spec.process_id] = arrival
-            self._of[connection] = arrival
-            if len(waiting) < spec.num_processes:
-                return [], []
+                refused = "the processes disagree on num_processes"
+            elif spec.process_id in waiting:  # twice: the full path says so
+                refused = "a process arrived twice"
+            else:
+                waiting[spec.process_id] = arrival
+                self._of[connection] = arrival
+                if len(waiting) < spec.num_processes:
+                    return [], []
             complete = self._release(key)
+        if refused is not None:  # handed over with the lock released: the pipeline takes locks of its own
+            return [], self._hand([*complete, arrival], refused)
         if any(a.method != method for a in complete):  # Reduce and BatchReduce: the full path names who called what
             return [], self._hand(complete, "the processes called different methods")
         try:
@@ -216,9 +220,12 @@ class Express:
         """Hands over the held collectives whose keys ``which`` picks, for the lane's thread (woken if any)."""
         with self._lock:
             keys = [key for key in self._pending if which(key)]
-            if not keys:
-                return
-            self._handed.extend(self._hand([a for key in keys for a in self._release(key)], reason))
+            released = [a for key in keys for a in self._release(key)]
+        if not released:
+            return
+        handed = self._hand(released, reason)
+        with self._lock:
+            self._handed.extend(handed)
         self._wake()
 
     def handed_over(self) -> list[Arrival]:
@@ -234,7 +241,8 @@ class Express:
             arrival = self._of.get(connection)
             if arrival is None:
                 return []
-            return self._hand(self._release(arrival.key), f"process {arrival.process_id} hung up")
+            released = self._release(arrival.key)
+        return self._hand(released, f"process {arrival.process_id} hung up")
 
     def wake_at(self) -> float:
         """When the first held collective is due to be handed over (monotonic seconds), or inf."""
@@ -251,7 +259,8 @@ class Express:
             return []
         with self._lock:
             keys = [key for key, waiting in self._pending.items() if any(self._due(a) <= now for a in waiting.values())]
-            return self._hand([a for key in keys for a in self._release(key)], "not complete within the hold")
+            released = [a for key in keys for a in self._release(key)]
+        return self._hand(released, "not complete within the hold")
 
     def _due(self, arrival: Arrival) -> float:
         end = arrival.started + self.hold
@@ -267,7 +276,8 @@ class Express:
 
     def _hand(self, arrivals: list[Arrival], reason: str) -> list[Arrival]:
         """``arrivals`` leave the express lane (logged at debug level with ``reason``): the pipeline forgets
-        their calls (the full path makes its own)."""
+        their calls (the full path makes its own). Never with the lock held: the pipeline takes the admission's
+        locks and its own."""
         for a in arrivals:
             self._end(a.call, None)
             a.call = None

@@ -50,8 +50,12 @@ class Harness:
 
         self.express = Express(known=lambda shape: "prepared" if known else None, reduce=reduce,
                                busy=lambda key, group: busy, begin=begin,
-                               end=lambda call, out: self.ended.append((call["pid"], out)), hold=hold,
-                               wake=self.wake)
+                               end=self.end, hold=hold, wake=self.wake)
+        self.ended_locked = []  # whether the express lane held its lock when each call ended
+
+    def end(self, call, out):
+        self.ended.append((call["pid"], out))
+        self.ended_locked.append(self.express._lock.locked())
 
     def wake(self):
         self.woken += 1
@@ -181,3 +185,21 @@ def test_a_collective_not_complete_within_the_hold_or_a_timeout_is_handed_over_t
 def test_shapes_match_across_sequences_and_values_so_later_collectives_are_known():
     a, b = incoming(0, sequence=1, x=1.0), incoming(0, sequence=7, x=5.0)
     assert shape_of(a.message, a.size) == shape_of(b.message, b.size)
+
+
+def test_calls_are_handed_over_with_the_express_lanes_lock_released():
+    """The pipeline ends a handed call under locks of its own (the admission's, its idle condition): the express
+    lane never calls it holding its lock (the review's point 6), in each way a call is handed over."""
+    h = Harness()
+    h.offer("c0", 0, sequence=1)
+    h.offer("c1", 0, sequence=1)  # twice
+    h.offer("c0", 0, sequence=2, n=3)
+    h.offer("c1", 1, sequence=2, n=2)  # disagreeing on their number
+    for sequence, ends in ((3, "claim"), (4, "group"), (5, "hung up"), (6, "due")):
+        h.offer(f"c{sequence}", 0, sequence=sequence, group=ends)
+    h.express.claim(CollectiveKey("claim", 3))
+    h.express.claim_group("group")
+    h.express.hung_up("c5")
+    h.express.due(100.0)
+    assert len(h.ended) == 8 and h.express.held() == 0
+    assert h.ended_locked == [False] * 8
