@@ -60,7 +60,6 @@ from typing import Any
 from xreduce.wire.contract import METHOD_PREFIX
 
 from xreduced.decode import CollectiveKey
-from xreduced.prepared import shape_of
 
 log = logging.getLogger("xreduced.express")
 
@@ -147,25 +146,17 @@ class Express:
         with self._lock:
             return len(self._pending)
 
-    def offer(self, connection, method: str, incoming, timeout: float | None, now: float, held: Any = None,
-              key: bytes | None = None) -> tuple[list[tuple[Arrival, bytes]], list[Arrival]] | None:
-        """Takes a call of the lane's thread if it may go express: None when it may not (the full path serves
-        it), else (the replies now due, each with its call; the calls to hand over to the full path, this one
-        among them or not). The lane sends those replies with :meth:`answered` and serves the handed calls.
-        ``held`` (a :class:`~xreduced.repeated.Held`, under ``key``) offers it as a group's repeat, whatever its
-        shape.
+    def offer(self, connection, method: str, incoming, timeout: float | None, now: float, shape: bytes,
+              held: Any = None) -> tuple[list[tuple[Arrival, bytes]], list[Arrival]] | None:
+        """Takes a call of the lane's thread, one ``xreduced.lane.classify`` says may go express (a collective
+        of several processes, with its request's ``shape``), if it may: None when it may not (the full path
+        serves it), else (the replies now due, each with its call; the calls to hand over to the full path, this
+        one among them or not). The lane sends those replies with :meth:`answered` and serves the handed calls.
+        ``held`` (a :class:`~xreduced.repeated.Held`, ``shape`` its key) offers it as a group's repeat.
         """
         message = incoming.message
-        if not message.HasField("collective"):
-            return None
         spec = message.collective
-        if spec.num_processes < 2 or spec.sequence < 0:
-            return None
-        if held is not None:
-            shape, prepared = key, held
-        else:
-            shape = shape_of(message, incoming.size)
-            prepared = None if shape is None else self._known(shape)
+        prepared = held if held is not None else self._known(shape)
         if prepared is None:
             return None
         key = CollectiveKey.of(spec)

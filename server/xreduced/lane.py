@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -63,6 +64,7 @@ from xreduced.deferred import Deferred
 from xreduced.errors import PermissionDenied
 from xreduced.express import Express
 from xreduced.pipeline import CallPipeline
+from xreduced.prepared import shape_of
 from xreduced.regions import RegionTable
 from xreduced.repeated import Repeat, Repeats
 
@@ -638,21 +640,23 @@ class LocalLane:
                 continue
             incoming = handler.request_deserializer(request)
             connection.start_call()
-            message = getattr(incoming, "message", None)
-            if method != "Broadcast" and message is not None and message.HasField("collective") and \
-                    message.HasField("output"):
-                request = repeated.collective_key(message)  # a group's repeats differ in the sequence alone
-                held = connection.group_repeats.get(request) if self.express is not None else None
+            path = classify(method, incoming, self._host_region_bytes(connection))
+            if path.repeat_key is not None:
+                request = path.repeat_key  # a group's repeats differ in the sequence alone
+                held = connection.group_repeats.get(request) if path.express and self.express is not None else None
                 if held is not None and held[0].region_bytes <= INLINE_REGION_BYTES and self._express(
-                        connection, method, incoming, timeout,
-                        repeated.Held(held[0], held[1], connection.session_id), request):
+                        connection, method, incoming, timeout, request,
+                        repeated.Held(held[0], held[1], connection.session_id)):
                     continue
-            if _inline(method, incoming, self._host_region_bytes(connection)):
-                if self.express is None or not self._express(connection, method, incoming, timeout):
-                    self._call(connection, method, handler, incoming, timeout, defers=True, request=request)
-            elif not self._closed:
-                self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False,
-                                     request=request)
+            if not path.inline:
+                if not self._closed:
+                    self._workers.submit(self._call, connection, method, handler, incoming, timeout, defers=False,
+                                         request=request)
+                continue
+            if path.express and path.shape is not None and self.express is not None and self._express(
+                    connection, method, incoming, timeout, path.shape):
+                continue
+            self._call(connection, method, handler, incoming, timeout, defers=True, request=request)
 
     def _host_region_bytes(self, connection: _Connection) -> Callable[[list], int | None]:
         """What :func:`_inline` asks of a call's region slices: their bytes when every one names a host
@@ -707,11 +711,12 @@ class LocalLane:
         self._call(connection, method, handler, handler.request_deserializer(request), timeout, defers=False,
                    request=request)
 
-    def _express(self, connection: _Connection, method: str, incoming, timeout: float | None,
-                 held: repeated.Held | None = None, key: bytes | None = None) -> bool:
-        """Offers the call to the express lane (``held``: as a group's repeat, under ``key``): False when the full
-        path is to serve it; else the replies it completed are sent and the calls it handed over served."""
-        taken = self.express.offer(connection, method, incoming, timeout, time.monotonic(), held, key)
+    def _express(self, connection: _Connection, method: str, incoming, timeout: float | None, key: bytes,
+                 held: repeated.Held | None = None) -> bool:
+        """Offers the call to the express lane under ``key`` (its shape; ``held``: as a group's repeat): False
+        when the full path is to serve it; else the replies it completed are sent and the calls it handed over
+        served."""
+        taken = self.express.offer(connection, method, incoming, timeout, time.monotonic(), key, held)
         if taken is None:
             return False
         replies, handed = taken
@@ -838,6 +843,50 @@ class _Connection(LaneConnection):
         call may follow at once; calls that came meanwhile are served after, :meth:`LocalLane._resume`)."""
         with self._state:
             self.busy = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """How the lane serves a call that is not a kept repeat (:func:`classify`).
+
+    Example:
+        >>> Path(inline=True).express
+        False
+    """
+
+    inline: bool
+    """The lane's thread serves it (:func:`_inline`); else a worker, as it may block long."""
+    express: bool = False
+    """A collective of several processes on this node, in sequence or named: the express lane may hold it."""
+    shape: bytes | None = None
+    """Its request's shape, tensors in the message (:func:`xreduced.prepared.shape_of`): the express lane takes
+    it when the shape was validated before."""
+    repeat_key: bytes | None = None
+    """A group's call with an ``output`` region: the key its repeat is kept under
+    (:func:`xreduced.repeated.collective_key`); the express lane holds it as that repeat when the connection
+    keeps one."""
+
+
+def classify(method: str, incoming, host_bytes: Callable[[list], int | None]) -> Path:
+    """The one place that says how the lane serves a call that is not a kept repeat: on its own thread or a
+    worker's, and whether the express lane may take it (a shape, or a group's repeat). ``host_bytes`` as for
+    :func:`_inline`. The SDK's ``_transports._small`` mirrors the first part: which calls take the lane at all.
+
+    Example:
+        >>> from xreduce.v1 import xreduce_pb2 as pb
+        >>> m = pb.BatchReduceRequest(collective=pb.CollectiveSpec(group="g", num_processes=2, sequence=1))
+        >>> path = classify("BatchReduce", SimpleNamespace(size=m.ByteSize(), message=m), lambda slices: 0)
+        >>> path.inline, path.express, path.shape is not None, path.repeat_key
+        (True, True, True, None)
+    """
+    message = getattr(incoming, "message", None)
+    spec = message.collective if method != "Broadcast" and message is not None and \
+        message.HasField("collective") else None
+    express = spec is not None and spec.num_processes >= 2 and spec.sequence >= 0
+    inline = _inline(method, incoming, host_bytes)
+    if spec is not None and message.HasField("output"):
+        return Path(inline, express, repeat_key=repeated.collective_key(message))
+    return Path(inline, express and inline, shape_of(message, incoming.size) if express and inline else None)
 
 
 def _inline(method: str, incoming, host_bytes: Callable[[list], int | None]) -> bool:

@@ -11,6 +11,7 @@ from xreduce.v1 import xreduce_pb2 as pb
 from xreduce.wire import codec
 from xreduced.decode import CollectiveKey
 from xreduced.express import Express
+from xreduced.lane import classify
 from xreduced.prepared import shape_of
 
 
@@ -61,7 +62,12 @@ class Harness:
         self.woken += 1
 
     def offer(self, connection, pid, now=0.0, timeout=None, **kw):
-        return self.express.offer(connection, "BatchReduce", incoming(pid, **kw), timeout, now)
+        """As the lane offers a call: only one ``classify`` names for the express lane, under its shape."""
+        call = incoming(pid, **kw)
+        path = classify("BatchReduce", call, lambda slices: 0)
+        if not path.express or path.shape is None:
+            return None
+        return self.express.offer(connection, "BatchReduce", call, timeout, now, path.shape)
 
 
 def pids(arrivals):
@@ -116,7 +122,8 @@ def test_processes_calling_different_methods_are_handed_over_unreduced():
     h.offer("c0", 0)
     message = incoming(1).message
     reduce = pb.ReduceRequest(value=message.pairs[0].value, collective=message.collective)
-    replies, handed = h.express.offer("c1", "Reduce", Incoming(reduce.ByteSize(), reduce), None, 0.0)
+    call = Incoming(reduce.ByteSize(), reduce)
+    replies, handed = h.express.offer("c1", "Reduce", call, None, 0.0, classify("Reduce", call, lambda s: 0).shape)
     assert replies == [] and pids(handed) == [0, 1] and h.reduced == []
 
 
