@@ -104,7 +104,8 @@ def choose(client: Client, call: ReduceCall | BroadcastCall) -> Transport:
 
 def _small(call: ReduceCall | BroadcastCall) -> bool:
     """Whether ``call`` carries host values of at most :data:`xreduce._lane.LANE_MAX_BYTES` in all, and knows
-    its result's size (a broadcast's receivers do not: they take gRPC)."""
+    its result's size (a broadcast's receivers do not: they take gRPC). Such a call takes the local lane; there
+    the daemon's ``xreduced.lane.classify`` says which thread serves it and whether the express lane may."""
     if isinstance(call, BroadcastCall):
         arrays = [call.tensor] if call.tensor is not None else []
     else:
