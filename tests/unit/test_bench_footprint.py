@@ -43,7 +43,8 @@ def test_a_window_holds_the_samples_of_the_whole_job_between_its_ends_and_forget
         assert fp.window(start, middle, names).samples == 0  # process 1 was not watched yet
         both = fp.window(middle, end, names)
         assert both.samples >= 1 and sorted(both.processes) == names
-        assert both.peak >= both.median > 0 and all(p["rss_anon"] > 0 for p in both.processes.values())
+        assert both.peak >= both.median and all(p["rss_anon"] > 0 for p in both.processes.values())
+        assert both.peak - both.shm > 0  # the processes' part: /dev/shm is the machine's, other tests' come and go
         assert fp.window(start, end, names[:1]).samples == 0  # forgotten up to the last window's end
     finally:
         for proc in (one, two):
