@@ -103,6 +103,40 @@ def test_gathers_copy_every_ranks_bits(suites, world_size, collective):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("collective", ["gather/", "scatter/", "gather_object", "scatter_object_list"])
+def test_gather_and_scatter_move_every_bit_to_and_from_the_root(suites, world_size, collective):
+    """To and from rank 0 and 1 (4 ranks: 3), every dtype; the objects to rank 1 and from rank 0. A rank that is
+    not the root keeps its input as it was."""
+    bad = mismatches(suites(world_size), collective)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("collective", ["all_to_all_single/", "all_to_all/"])
+def test_all_to_all_gives_each_rank_the_parts_sent_to_it(suites, world_size, collective):
+    """Equal parts, uneven split sizes, the special bit patterns; and the list form with uneven parts (Gloo's
+    takes equal sizes only: checked against the exact result)."""
+    bad = mismatches(suites(world_size), collective)
+    assert not bad, "\n".join(bad)
+
+
+def test_an_all_to_all_whose_split_sizes_disagree_is_refused_by_every_rank(suites):
+    """Every rank learns every rank's split sizes first, so all refuse the call alike (no rank waits for a data
+    exchange the others never start) and the group goes on: the cases after it pass."""
+    for r in suites(2)["refused/all_to_all"]:
+        assert r["error"] is not None and r["error"]["type"] == "ValueError", r
+        assert r["error"]["message"] == ("all_to_all: rank 0 sends 1 element(s) to rank 1, which expects 2 from it "
+                                         "(its output split sizes)"), r
+
+
+def test_send_is_refused_naming_it(suites):
+    for r in suites(2)["refused/send"]:
+        assert r["error"] is not None and r["error"]["type"] == "NotImplementedError", r
+        assert r["error"]["message"].startswith("the xreduce backend has no send: it reduces; use the gloo or nccl "
+                                                "backend for send"), r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("collective", ["reduce_scatter/", "reduce_scatter_tensor/"])
 def test_reduce_scatter_gives_each_rank_its_part(suites, world_size, collective):
     """SUM, AVG, MAX of float32 and int64 (4 ranks: SUM of float32); Gloo does not average int64."""

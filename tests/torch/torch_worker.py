@@ -244,14 +244,100 @@ def all_gather_into_tensor(ctx: Ctx, dtype: torch.dtype) -> dict:
 
 
 def all_gather_object(ctx: Ctx) -> dict:
-    def obj(rank: int) -> dict:
-        return {"rank": rank, "text": "é" * (rank + 1), "nested": [rank, None, 1.5] * (rank + 1)}
-
     ours: list = [None] * ctx.size
-    dist.all_gather_object(ours, obj(ctx.rank))
+    dist.all_gather_object(ours, objects(ctx.rank))
     theirs: list = [None] * ctx.size
-    dist.all_gather_object(theirs, obj(ctx.rank), group=ctx.gloo)
-    return {"xreduce": ours, "gloo": theirs, "expected": [obj(r) for r in range(ctx.size)]}
+    dist.all_gather_object(theirs, objects(ctx.rank), group=ctx.gloo)
+    return {"xreduce": ours, "gloo": theirs, "expected": [objects(r) for r in range(ctx.size)]}
+
+
+def gather(ctx: Ctx, dst: int, dtype: torch.dtype) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        mine = payload(ctx.rank, dtype, 6)
+        out = [torch.empty_like(mine) for _ in range(ctx.size)] if ctx.rank == dst else None
+        dist.gather(mine, out, dst=dst, group=group)
+        return torch.stack(out) if out is not None else mine
+
+    expected = torch.stack([payload(r, dtype, 6) for r in range(ctx.size)]) if ctx.rank == dst else \
+        payload(ctx.rank, dtype, 6)
+    return side_by_side(ctx, run, expected)
+
+
+def scatter(ctx: Ctx, src: int, dtype: torch.dtype) -> dict:
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        out = torch.zeros_like(payload(0, dtype, 7))
+        dist.scatter(out, [payload(r, dtype, 7) for r in range(ctx.size)] if ctx.rank == src else None, src=src,
+                     group=group)
+        return out
+
+    return side_by_side(ctx, run, payload(ctx.rank, dtype, 7))
+
+
+def to_all(ctx: Ctx, dtype: torch.dtype, how: str) -> dict:
+    """``all_to_all_single`` (``how``: ``even``, each part 2 rows; ``uneven``, rank r sends (r + j) % 3 + 1 rows
+    to rank j; ``bits``, each part a :func:`payload`) or ``all_to_all`` (``list``: uneven parts, one tensor each)."""
+    def part(r: int, j: int) -> torch.Tensor:
+        if how == "bits":
+            return payload(r, dtype, 8 + j)
+        rows = 2 if how == "even" else (r + j) % 3 + 1
+        return (torch.arange(2 * rows).reshape(rows, 2) + 100 * r + 10 * j).to(dtype)
+
+    def run(group: dist.ProcessGroup | None) -> torch.Tensor:
+        sends = [part(ctx.rank, j) for j in range(ctx.size)]
+        gets = [torch.empty_like(part(r, ctx.rank)) for r in range(ctx.size)]
+        if how == "list":
+            dist.all_to_all(gets, sends, group=group)
+            return torch.cat(gets)
+        out = torch.cat(gets)
+        splits = how == "uneven"
+        dist.all_to_all_single(out, torch.cat(sends), [len(g) for g in gets] if splits else None,
+                               [len(p) for p in sends] if splits else None, group=group)
+        return out
+
+    return side_by_side(ctx, run, torch.cat([part(r, ctx.rank) for r in range(ctx.size)]))
+
+
+def refused_all_to_all(ctx: Ctx) -> dict:
+    """Rank 1 expects 2 elements from rank 0, which sends it 1: every rank refuses the call alike."""
+    gets = [2 if ctx.rank == 1 and r == 0 else 1 for r in range(ctx.size)]
+    try:
+        dist.all_to_all_single(torch.zeros(sum(gets)), torch.zeros(ctx.size), gets, [1] * ctx.size)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": error(e)}
+    return {"error": None}
+
+
+def refused_send(ctx: Ctx) -> dict:
+    """Point to point: refused on the spot, naming it (no rank waits for the other)."""
+    try:
+        dist.send(torch.zeros(1), (ctx.rank + 1) % ctx.size)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": error(e)}
+    return {"error": None}
+
+
+def objects(rank: int) -> dict:
+    return {"rank": rank, "text": "é" * (rank + 1), "nested": [rank, None, 1.5] * (rank + 1)}
+
+
+def gather_object(ctx: Ctx) -> dict:
+    def run(group: dist.ProcessGroup | None) -> list:
+        out: list | None = [None] * ctx.size if ctx.rank == 1 else None
+        dist.gather_object(objects(ctx.rank), out, dst=1, group=group)
+        return out or []
+
+    return {"xreduce": run(None), "gloo": run(ctx.gloo),
+            "expected": [objects(r) for r in range(ctx.size)] if ctx.rank == 1 else []}
+
+
+def scatter_object_list(ctx: Ctx) -> dict:
+    def run(group: dist.ProcessGroup | None) -> list:
+        out: list = [None]
+        dist.scatter_object_list(out, [objects(r) for r in range(ctx.size)] if ctx.rank == 0 else None, src=0,
+                                 group=group)
+        return out
+
+    return {"xreduce": run(None), "gloo": run(ctx.gloo), "expected": [objects(ctx.rank)]}
 
 
 def reduce_scatter(ctx: Ctx, op: str, dtype: torch.dtype) -> dict:
@@ -382,6 +468,20 @@ def cases(suite: str, size: int) -> dict[str, Callable[[Ctx], dict]]:
         found[f"all_gather/{name}"] = functools.partial(all_gather, dtype=DTYPES[name])
         found[f"all_gather_into_tensor/{name}"] = functools.partial(all_gather_into_tensor, dtype=DTYPES[name])
     found["all_gather_object"] = all_gather_object
+    for dst in ((0, 1) if full else (size - 1,)):
+        for name in (dtypes if full else ["float32"]):
+            found[f"gather/dst{dst}/{name}"] = functools.partial(gather, dst=dst, dtype=DTYPES[name])
+            found[f"scatter/src{dst}/{name}"] = functools.partial(scatter, src=dst, dtype=DTYPES[name])
+    found["gather_object"] = gather_object
+    found["scatter_object_list"] = scatter_object_list
+    for how in ("even", "uneven", "bits") if full else ("uneven",):
+        for name in (("float32", "int64") if how != "bits" else ("float32", "bfloat16", "float64")) if full \
+                else ("float32",):
+            found[f"all_to_all_single/{how}/{name}"] = functools.partial(to_all, dtype=DTYPES[name], how=how)
+    found["all_to_all/list/int64"] = functools.partial(to_all, dtype=torch.int64, how="list")
+    if full:
+        found["refused/all_to_all"] = refused_all_to_all
+        found["refused/send"] = refused_send
     for op in (("SUM", "AVG", "MAX") if full else ("SUM",)):
         for name in (("float32", "int64") if full else ("float32",)):
             found[f"reduce_scatter/{op}/{name}"] = functools.partial(reduce_scatter, op=op, dtype=DTYPES[name])

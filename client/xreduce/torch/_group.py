@@ -13,6 +13,11 @@ group's worker thread (:mod:`xreduce.torch._work`):
 * ``broadcast``: the same sum, every rank but the root contributing 0.
 * ``reduce_scatter``/``reduce_scatter_single``: the all-reduce of the whole input, each rank keeping its part.
 * ``barrier``: an all-reduce of one element.
+* ``gather``/``scatter``: an all-gather of which the root keeps the rows; the root's parts, the same sum as a
+  broadcast, each rank keeping its own.
+* ``alltoall_base`` (``all_to_all_single``)/``alltoall``: every rank's split sizes gathered first (all ranks
+  refuse a plan that does not add up, alike), then every rank's elements, each rank keeping its parts.
+* ``send``/``recv``: not provided (``NotImplementedError``): the daemon runs collectives only.
 """
 
 from __future__ import annotations
@@ -61,10 +66,10 @@ def _not_provided(name: str, note: str = "") -> Callable[..., Work]:
     """A collective the backend does not provide: it raises ``NotImplementedError`` naming ``name``.
 
     Example:
-        >>> _not_provided("scatter")(None)
+        >>> _not_provided("send")(None)
         Traceback (most recent call last):
         ...
-        NotImplementedError: the xreduce backend has no scatter: it reduces; use the gloo or nccl backend for ...
+        NotImplementedError: the xreduce backend has no send: it reduces; use the gloo or nccl backend for send ...
     """
 
     def refuse(self: Any, *args: Any) -> Work:
@@ -217,11 +222,74 @@ class ProcessGroupXReduce(ProcessGroup):
         """The reduction into the root rank's tensors (``opts.rootRank``); here every rank's gets it."""
         return self.allreduce(tensors, opts)
 
+    def gather(self, output_tensors: Sequence[Sequence[torch.Tensor]], input_tensors: Sequence[torch.Tensor],
+               opts: Any = None) -> Work:
+        """Each rank's tensor into ``output_tensors[0][rank]`` of the root rank (``opts.rootRank``); the other
+        ranks pass no outputs. An all-gather of which the root keeps the rows."""
+        root = opts.rootRank if opts is not None else 0
+        t = self._single(input_tensors, "input_tensors")
+        outs = self._at_root(output_tensors, root, t, "output_tensors")
+
+        def run() -> list[list[torch.Tensor]]:
+            for o, part in zip(outs, self._gathered(t)):
+                o.copy_(part.view_as(o))
+            return [outs] if outs else []
+
+        return self._submit(run)
+
+    def scatter(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[Sequence[torch.Tensor]],
+                opts: Any = None) -> Work:
+        """The root rank's ``input_tensors[0][r]`` (``opts.rootRank``) into rank r's ``output_tensors[0]``; the
+        other ranks pass no inputs. Every rank receives all the parts and keeps its own."""
+        root = opts.rootRank if opts is not None else 0
+        out = self._single(output_tensors, "output_tensors")
+        ins = self._at_root(input_tensors, root, out, "input_tensors")
+
+        def run() -> list[torch.Tensor]:
+            rows = self._rows(dict(enumerate(ins)), out.dtype, out.numel())
+            out.copy_(rows[self.rank()].view_as(out))
+            return [out]
+
+        return self._submit(run)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - torch's name
+                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], opts: Any = None) -> Work:
+        """``all_to_all_single``: rank r's ``input`` split along its first dimension (``input_split_sizes``, else
+        in ``size`` equal parts), part j to rank j; rank j's ``output`` holds the parts it gets, in rank order
+        (``output_split_sizes``)."""
+        check_tensor(input, "input")
+        check_tensor(output, "output")
+        sends = _split(input, input_split_sizes, self.size(), "input")
+        gets = _split(output, output_split_sizes, self.size(), "output")
+        self._same_dtype([input, output], "output")
+
+        def run() -> list[torch.Tensor]:
+            output.copy_(torch.cat(self._exchange(input, sends, gets)).view(output.shape))
+            return [output]
+
+        return self._submit(run)
+
+    def alltoall(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
+                 opts: Any = None) -> Work:
+        """``all_to_all``: rank r's ``input_tensors[j]`` into rank j's ``output_tensors[r]``."""
+        ins, outs = list(input_tensors), list(output_tensors)
+        for field, tensors in (("input_tensors", ins), ("output_tensors", outs)):
+            if len(tensors) != self.size():
+                raise ValueError(f"{field} must hold {self.size()} tensors, one per rank; got {len(tensors)}")
+            for i, t in enumerate(tensors):
+                check_tensor(t, f"{field}[{i}]")
+        self._same_dtype(ins + outs, "output_tensors")
+
+        def run() -> list[torch.Tensor]:
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            for o, part in zip(outs, self._exchange(flat, [t.numel() for t in ins], [t.numel() for t in outs])):
+                o.copy_(part.view_as(o))
+            return outs
+
+        return self._submit(run)
+
     send = _not_provided("send", "point to point")
     recv = recv_anysource = _not_provided("recv", "point to point")
-    gather = _not_provided("gather", "all_gather is")
-    scatter = _not_provided("scatter")
-    alltoall = alltoall_base = _not_provided("all_to_all")
 
     def barrier(self, opts: Any = None) -> Work:
         """Done once every rank has called it."""
@@ -249,11 +317,39 @@ class ProcessGroupXReduce(ProcessGroup):
             raise ValueError("this xreduce process group was shut down (destroy_process_group)")
         return self._runner.submit(call)
 
+    def _single(self, tensors: Sequence[torch.Tensor], field: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"the xreduce backend takes one tensor per rank; got {len(tensors)} in {field}")
+        check_tensor(tensors[0], f"{field}[0]")
+        return tensors[0]
+
+    def _at_root(self, lists: Sequence[Sequence[torch.Tensor]], root: int, like: torch.Tensor,
+                 field: str) -> list[torch.Tensor]:
+        """The root's list of ``size`` tensors like ``like`` (``lists[0]``); none on the other ranks."""
+        if not 0 <= root < self.size():
+            raise ValueError(f"the root rank must be in [0, {self.size()}); got {root}")
+        if self.rank() != root:
+            if any(len(x) for x in lists):
+                raise ValueError(f"{field}: only the root rank {root} passes tensors; rank {self.rank()} passed "
+                                 f"{sum(len(x) for x in lists)}")
+            return []
+        tensors = list(lists[0]) if len(lists) == 1 else []
+        if len(tensors) != self.size() or any(t.numel() != like.numel() or t.dtype != like.dtype for t in tensors):
+            raise ValueError(f"{field}[0] of the root rank must hold {self.size()} tensors of {like.numel()} "
+                             f"elements of {like.dtype}; got {[(t.numel(), t.dtype) for t in tensors]}")
+        return tensors
+
+    @staticmethod
+    def _same_dtype(tensors: Sequence[torch.Tensor], field: str) -> None:
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        if len(dtypes) > 1:
+            raise ValueError(f"{field}: the tensors of an all_to_all must have one dtype; got {', '.join(dtypes)}")
+
     def _one(self, lists: Sequence[Sequence[torch.Tensor]], tensors: Sequence[torch.Tensor],
              field: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-        if len(lists) != 1 or len(tensors) != 1:
-            raise ValueError(f"the xreduce backend takes one tensor per rank; got {len(tensors)} in {field}")
-        return list(lists[0]), tensors[0]
+        if len(lists) != 1:
+            raise ValueError(f"the xreduce backend takes one list of tensors per rank; got {len(lists)}")
+        return list(lists[0]), self._single(tensors, field)
 
     def _reduce(self, op: str, tensors: list[torch.Tensor]) -> None:
         """``op`` over the group of each tensor, written into it."""
@@ -280,11 +376,36 @@ class ProcessGroupXReduce(ProcessGroup):
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t``, flattened, one row per rank."""
-        bits = as_bits(t)
-        buffer = torch.zeros((self.size(), bits.numel()), dtype=bits.dtype, device=t.device)
-        buffer[self.rank()].copy_(bits.reshape(-1))
+        return self._rows({self.rank(): t}, t.dtype, t.numel(), t.device)
+
+    def _rows(self, rows: dict[int, torch.Tensor], dtype: torch.dtype, width: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+        """A (size, ``width``) tensor of ``dtype`` whose row r is what some rank gave as ``rows[r]`` (its first
+        elements; the rest 0), on every rank: the rows' bits summed as integers, every other rank adding 0
+        (:func:`~xreduce.torch._tensors.as_bits`), so every bit pattern arrives as it was."""
+        probe = as_bits(torch.zeros(1, dtype=dtype))  # a complex element is two words
+        buffer = torch.zeros((self.size(), width * probe.numel()), dtype=probe.dtype, device=device)
+        for r, t in rows.items():
+            bits = as_bits(t).reshape(-1)
+            buffer[r, :bits.numel()].copy_(bits)
         self._sum([buffer])
-        return buffer.view(t.dtype)
+        return buffer.view(dtype)
+
+    def _exchange(self, flat: torch.Tensor, sends: Sequence[int], gets: Sequence[int]) -> list[torch.Tensor]:
+        """The all-to-all of ``flat`` (this rank's elements, ``sends[j]`` of them for rank j, in rank order):
+        the part each rank sends this one (``gets[r]`` elements from rank r), in rank order. Every rank first
+        learns every rank's counts (one gather), and all refuse a plan that does not add up, alike; then every
+        rank's elements are gathered, padded to the longest, and each rank keeps its parts."""
+        n = self.size()
+        counts = self._gathered(torch.tensor([*sends, *gets], dtype=torch.int64)).tolist()
+        wrong = [(r, j) for r in range(n) for j in range(n) if counts[r][j] != counts[j][n + r]]
+        if wrong:
+            r, j = wrong[0]
+            raise ValueError(f"all_to_all: rank {r} sends {counts[r][j]} element(s) to rank {j}, which expects "
+                             f"{counts[j][n + r]} from it (its output split sizes)")
+        rows = self._rows({self.rank(): flat}, flat.dtype, max(sum(c[:n]) for c in counts), flat.device)
+        me = self.rank()
+        return [rows[r, sum(counts[r][:me]):sum(counts[r][:me + 1])] for r in range(n)]
 
     def _sum(self, tensors: list[torch.Tensor]) -> None:
         """The sum over the group of each tensor, written into it: one call for all of them."""
@@ -301,6 +422,31 @@ class ProcessGroupXReduce(ProcessGroup):
                 w.copy_(from_sdk(result, w).view_as(w))
             if w is not t:
                 t.copy_(w)
+
+
+def _split(t: torch.Tensor, split_sizes: Sequence[int], size: int, field: str) -> list[int]:
+    """Elements of ``t`` for each rank, in rank order: ``split_sizes`` rows of its first dimension each, or (none
+    given) ``size`` equal parts.
+
+    Example:
+        >>> _split(torch.zeros(3, 2), [1, 2], 2, "input"), _split(torch.zeros(4), [], 2, "input")
+        ([2, 4], [2, 2])
+        >>> _split(torch.zeros(3), [], 2, "output")
+        Traceback (most recent call last):
+        ...
+        ValueError: output: 3 rows cannot be split in 2 equal parts; pass output_split_sizes
+    """
+    rows = t.shape[0] if t.dim() else 1
+    if not split_sizes:
+        if rows % size:
+            raise ValueError(f"{field}: {rows} rows cannot be split in {size} equal parts; pass {field}_split_sizes")
+        split_sizes = [rows // size] * size
+    split_sizes = list(split_sizes)
+    if len(split_sizes) != size or any(s < 0 for s in split_sizes) or sum(split_sizes) != rows:
+        raise ValueError(f"{field}_split_sizes must be {size} counts of rows that add up to {field}'s {rows}; got "
+                         f"{split_sizes}")
+    per_row = t.numel() // rows if rows else 0
+    return [s * per_row for s in split_sizes]
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
