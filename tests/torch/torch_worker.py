@@ -12,11 +12,14 @@ It meets the other ranks at the test's ``TCPStore`` (``torch_ranks.Ranks`` serve
 * ``collectives``: every collective and reduce op through ``torch.distributed``'s API on the xreduce group,
   beside Gloo's result on a Gloo group of the same ranks and the exact result (``--suite all`` or ``four``).
 * ``timeout``: ``init_process_group(timeout=--timeout)``; rank 0 alone enters a collective.
+* ``options``: DDP's options and ways of training (``gradient_as_bucket_view``, ``find_unused_parameters``,
+  ``static_graph``, ``no_sync``, ``Join`` with uneven inputs), each on xreduce and on Gloo.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -113,6 +116,81 @@ def ddp(args: argparse.Namespace, store: dist.Store) -> None:
         torch.save(weights, args.out)
     dist.destroy_process_group()
     emit(event="done")
+
+
+class Wide(torch.nn.Module):
+    """An MLP whose middle layer's gradient is 1 MiB (DDP's buckets go through shared memory from the second
+    step), a BatchNorm (buffers DDP broadcasts every step) and a second head, left out of the forward pass when
+    ``odd`` is False (an unused parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(32, 512)
+        self.norm = torch.nn.BatchNorm1d(512)
+        self.middle = torch.nn.Linear(512, 512)
+        self.head = torch.nn.Linear(512, 1)
+        self.spare = torch.nn.Linear(512, 1)
+        self.odd = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.middle(torch.relu(self.norm(self.inner(x)))))
+        return self.head(h) + (self.spare(h) if self.odd else 0)
+
+
+OPTIONS = {
+    "default": {},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
+    "find_unused_parameters": {"find_unused_parameters": True},
+    "static_graph": {"static_graph": True},
+    "no_sync": {},
+    "join": {},
+}
+"""DDP's options and ways of training that a job uses unchanged (``options`` mode)."""
+
+
+def options(args: argparse.Namespace, store: dist.Store) -> None:
+    """Each of :data:`OPTIONS` trained on an xreduce group and on a Gloo group of the same ranks, from the same
+    weights on the same batches (:func:`train_with`)."""
+    dist.init_process_group("xreduce", store=store, rank=args.rank, world_size=args.world_size)
+    groups = {"xreduce": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    for name in args.options.split(","):
+        for backend, group in groups.items():
+            model = train_with(name, group, args.rank, args.steps)
+            grad = model.middle.weight.grad  # with gradient_as_bucket_view, a view of DDP's bucket
+            emit(event="trained", option=name, backend=backend, digest=digest(model),
+                 buffers=hashlib.sha256(b"".join(b.numpy().tobytes() for b in model.buffers())).hexdigest()[:16],
+                 grad_in_shared_memory=grad is not None and grad.is_shared())
+    dist.destroy_process_group()
+    emit(event="done")
+
+
+def train_with(name: str, group: dist.ProcessGroup, rank: int, steps: int) -> Wide:
+    """A :class:`Wide` trained with DDP's option ``name`` over ``group``: ``find_unused_parameters`` leaves the
+    second head out on even steps; ``no_sync`` accumulates two batches a step; ``join`` gives rank 0 two batches
+    fewer and trains under ``torch.distributed.algorithms.Join``. (``SyncBatchNorm`` takes GPU tensors only.)"""
+    from torch.distributed.algorithms.join import Join
+
+    model = Wide()
+    net = DistributedDataParallel(model, process_group=group, **OPTIONS[name])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    inputs = torch.Generator().manual_seed(1000 + rank)
+    truth = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(16, 32, generator=inputs)
+        return torch.nn.functional.mse_loss(net(x), x @ truth)
+
+    with Join([net]) if name == "join" else contextlib.nullcontext():
+        for k in range(steps - (2 if name == "join" and rank == 0 else 0)):
+            model.odd = k % 2 == 1 or name != "find_unused_parameters"
+            optimizer.zero_grad()
+            if name == "no_sync":
+                with net.no_sync():
+                    loss().backward()
+            loss().backward()
+            optimizer.step()
+    return model
 
 
 def train(args: argparse.Namespace, store: dist.Store | None) -> None:
@@ -538,6 +616,9 @@ def main() -> None:
     modes.add_parser("train").add_argument("--steps", type=int, default=100_000)
     modes.add_parser("collectives").add_argument("--suite", choices=["all", "four"], default="all")
     modes.add_parser("timeout").add_argument("--timeout", type=float, default=3.0)
+    p = modes.add_parser("options")
+    p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.store_port is None:
         if args.mode != "train":
@@ -548,7 +629,8 @@ def main() -> None:
     # Every rank has started (imported torch) before any forms a group: the groups' timeouts count from here.
     store.set(f"started/{args.rank}", "1")
     store.wait([f"started/{r}" for r in range(args.world_size)], STORE_WAIT)
-    {"ddp": ddp, "train": train, "collectives": collectives, "timeout": timeout}[args.mode](args, store)
+    {"ddp": ddp, "train": train, "collectives": collectives, "timeout": timeout, "options": options}[args.mode](
+        args, store)
 
 
 if __name__ == "__main__":
