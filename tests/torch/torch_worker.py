@@ -121,7 +121,7 @@ def ddp(args: argparse.Namespace, store: dist.Store) -> None:
 class Wide(torch.nn.Module):
     """An MLP whose middle layer's gradient is 1 MiB (DDP's buckets go through shared memory from the second
     step), a BatchNorm (buffers DDP broadcasts every step) and a second head, left out of the forward pass when
-    ``odd`` is False (an unused parameter)."""
+    ``use_spare`` is False (an unused parameter)."""
 
     def __init__(self):
         super().__init__()
@@ -131,11 +131,11 @@ class Wide(torch.nn.Module):
         self.middle = torch.nn.Linear(512, 512)
         self.head = torch.nn.Linear(512, 1)
         self.spare = torch.nn.Linear(512, 1)
-        self.odd = True
+        self.use_spare = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.middle(torch.relu(self.norm(self.inner(x)))))
-        return self.head(h) + (self.spare(h) if self.odd else 0)
+        return self.head(h) + (self.spare(h) if self.use_spare else 0)
 
 
 OPTIONS = {
@@ -183,7 +183,7 @@ def train_with(name: str, group: dist.ProcessGroup, rank: int, steps: int) -> Wi
 
     with Join([net]) if name == "join" else contextlib.nullcontext():
         for k in range(steps - (2 if name == "join" and rank == 0 else 0)):
-            model.odd = k % 2 == 1 or name != "find_unused_parameters"
+            model.use_spare = k % 2 == 1 or name != "find_unused_parameters"
             optimizer.zero_grad()
             if name == "no_sync":
                 with net.no_sync():
