@@ -23,7 +23,7 @@ def trained(daemon, tmp_path_factory):
     """{(option, backend): each rank's ``trained`` event}, from one job of 2 ranks."""
     from torch_ranks import WORKER, Ranks
 
-    with Ranks(WORKER, ["options"], 2, daemon.address, tmp_path_factory.mktemp("options")) as job:
+    with Ranks(WORKER, ["options", "--fsdp"], 2, daemon.address, tmp_path_factory.mktemp("options")) as job:
         events = job.finish(JOB_TIMEOUT)
     found: dict[tuple[str, str], list[dict]] = {}
     for rank in events:
@@ -31,6 +31,8 @@ def trained(daemon, tmp_path_factory):
         for e in rank:
             if e.get("event") == "trained":
                 found.setdefault((e["option"], e["backend"]), []).append(e)
+            elif e.get("event") == "sharded":
+                found.setdefault(("fully_shard", e["backend"]), []).append(e)
     return found
 
 
@@ -45,3 +47,13 @@ def test_ddp_with_the_option_trains_to_gloos_weights_and_buffers_bit_for_bit(tra
     assert [e["buffers"] for e in ours] == [e["buffers"] for e in gloos], (ours, gloos)
     if option == "gradient_as_bucket_view":  # the gradients are views of the buckets the daemon reduced in place
         assert all(e["grad_in_shared_memory"] for e in ours) and not any(e["grad_in_shared_memory"] for e in gloos)
+
+
+def test_fsdp2_fully_shard_trains_each_rank_to_gloos_shards_bit_for_bit(trained):
+    """FSDP2 on a DeviceMesh of the xreduce group (``DeviceMesh.from_group``, which reads the group's name: a group
+    written in Python keeps it itself): its all-gathers and reduce-scatters on the daemon. Each rank holds its own
+    shard of the weights, the same as under Gloo."""
+    ours, gloos = trained[("fully_shard", "xreduce")], trained[("fully_shard", "gloo")]
+    assert [e["digest"] for e in ours] == [e["digest"] for e in gloos], (ours, gloos)
+    assert ours[0]["digest"] != ours[1]["digest"]  # two shards
+    assert all(e["group_name"] for e in ours), ours

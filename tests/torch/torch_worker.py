@@ -13,7 +13,8 @@ It meets the other ranks at the test's ``TCPStore`` (``torch_ranks.Ranks`` serve
   beside Gloo's result on a Gloo group of the same ranks and the exact result (``--suite all`` or ``four``).
 * ``timeout``: ``init_process_group(timeout=--timeout)``; rank 0 alone enters a collective.
 * ``options``: DDP's options and ways of training (``gradient_as_bucket_view``, ``find_unused_parameters``,
-  ``static_graph``, ``no_sync``, ``Join`` with uneven inputs), each on xreduce and on Gloo.
+  ``static_graph``, ``no_sync``, ``Join`` with uneven inputs), each on xreduce and on Gloo; ``--fsdp``: then
+  FSDP2 (``fully_shard``) on each.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ def options(args: argparse.Namespace, store: dist.Store) -> None:
             emit(event="trained", option=name, backend=backend, digest=digest(model),
                  buffers=hashlib.sha256(b"".join(b.numpy().tobytes() for b in model.buffers())).hexdigest()[:16],
                  grad_in_shared_memory=grad is not None and grad.is_shared())
+    if args.fsdp:
+        for backend, group in groups.items():
+            emit(event="sharded", backend=backend, **train_sharded(group, args.rank, args.steps))
     dist.destroy_process_group()
     emit(event="done")
 
@@ -191,6 +195,27 @@ def train_with(name: str, group: dist.ProcessGroup, rank: int, steps: int) -> Wi
             loss().backward()
             optimizer.step()
     return model
+
+
+def train_sharded(group: dist.ProcessGroup, rank: int, steps: int) -> dict:
+    """An MLP trained with FSDP2 (``fully_shard`` of each layer, then of the model, on a mesh of ``group``):
+    a digest of this rank's shards of the weights, and the group's name as DeviceMesh read it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batches = Batches(rank)
+    for _ in range(steps):
+        batches.step(model, optimizer)
+    shards = [p.to_local().detach() for p in model.parameters()]
+    return {"digest": hashlib.sha256(b"".join(t.numpy().tobytes() for t in shards)).hexdigest()[:16],
+            "group_name": mesh.get_group().group_name}
 
 
 def train(args: argparse.Namespace, store: dist.Store | None) -> None:
@@ -619,6 +644,7 @@ def main() -> None:
     p = modes.add_parser("options")
     p.add_argument("--options", default=",".join(OPTIONS))
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--fsdp", action="store_true", help="then FSDP2's fully_shard on each group")
     args = parser.parse_args()
     if args.store_port is None:
         if args.mode != "train":

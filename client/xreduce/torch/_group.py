@@ -116,11 +116,32 @@ class ProcessGroupXReduce(ProcessGroup):
         self._runner = Runner(group.group if group is not None else "one")
         self._shared = SharedStorages()
         self._closed = False
+        self._names: dict[str, str] = {}
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``"xreduce"``."""
         return BACKEND
+
+    # torch names a group once it is made (``_set_group_name``, ``_set_group_desc``) and reads the names back
+    # (``group.group_name``: DeviceMesh, and FSDP through it). A ProcessGroup keeps them on its backends, of which
+    # a group written in Python has none: it keeps them itself.
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        """Records the name torch gave the group."""
+        self._names["name"] = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch gave the group (``group.group_name``)."""
+        return self._names.get("name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+        """Records the description torch gave the group."""
+        self._names["desc"] = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        """The description torch gave the group (``group.group_desc``)."""
+        return self._names.get("desc", "")
 
     @property
     def device(self) -> str:
