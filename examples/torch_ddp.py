@@ -19,6 +19,7 @@ the weights).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import socket
@@ -95,6 +96,11 @@ def main() -> None:
             raise SystemExit(1)
     if args.out and rank == 0:
         torch.save([p.detach() for p in model.parameters()], args.out)
+    # DDP holds its process group, and a Keras model's reference cycles would keep DDP until the interpreter's end:
+    # a Gloo group that lives that long aborts the process at exit about half the time ("terminate called without
+    # an active exception"). Let them go first.
+    del ddp, optimizer, model
+    gc.collect()
     dist.destroy_process_group()
 
 
