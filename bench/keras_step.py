@@ -23,14 +23,26 @@ daemon), and in the daemon's reduction (its ``xreduce_reduction_seconds`` of Bat
 xreduce's TF kernel has no Python to time: the kernel's own parts instead (copying in, the exchange with the daemon,
 copying out; ``xreduce.tensorflow._kernel.times``).
 
+The one-process comparison's turns alternate in order (xreduce first, then the peer first: ABBA). Its verdict is
+pooled over every pair of the run: the median of the pairs' ratios of median steps, with a 95% interval from a
+bootstrap that draws whole rounds (a round is a process, and this machine's speed changes from process to process,
+so a round's pairs are not independent). ``--json`` keeps the pairs; ``--pool`` pools the pairs of several runs'
+files the same way, without running anything: ``--json`` files, or what the bench printed (each
+``# bench/keras_step.py`` header starts a run; its one-process rounds are read back from their lines).
+
     python bench/keras_step.py --rounds 3 > bench/results/keras-step.txt
+    python bench/keras_step.py --rounds 6 --alternations 4 --models mlp1m --comparisons 1 --json run1.json
+    python bench/keras_step.py --pool run1.json run2.json bench/results/keras-step-one-process-phases.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
+import re
 import socket
 import statistics
 import subprocess
@@ -87,6 +99,78 @@ def reduction_seconds(metrics: str) -> tuple[float, float]:
 
 COMPARISONS = ("one process, 2 replicas", "two processes x 1 replica")
 
+BOOTSTRAP_DRAWS = 4000
+"""Draws of the bootstrap behind a pooled ratio's interval (:func:`pooled`)."""
+
+
+def pooled(rounds: dict[object, list[float]], draws: int = BOOTSTRAP_DRAWS,
+           seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): the median of every pair's ratio, and a 95% interval for it from a bootstrap that draws
+    whole rounds with replacement (``rounds``: each round's pairs' ratios), seeded so that a run's line is
+    reproducible from its pairs.
+
+    Example:
+        >>> pooled({0: [1.0, 1.1], 1: [1.2]}, draws=200)[0]
+        1.1
+    """
+    every = [r for ratios in rounds.values() for r in ratios]
+    groups = [ratios for ratios in rounds.values() if ratios]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median([r for g in rng.choices(groups, k=len(groups)) for r in g])
+                     for _ in range(draws))
+    return statistics.median(every), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+ROUND_LINE = re.compile(r"(\S+) +(one process, 2 replicas) +round (\d+)\.(\d+): xreduce +([-0-9.]+) / +([-0-9.]+) / "
+                        r"+([-0-9.]+) ms, peer +([-0-9.]+) / +([-0-9.]+) / +([-0-9.]+) ms")
+"""A one-process round's line as the bench prints it: model, comparison, round, turn, then the six times."""
+
+
+def read_pairs(path: str, run: int) -> tuple[list[dict], int]:
+    r"""The pairs a ``--json`` file keeps, or those a printed run's lines give (runs numbered from ``run``, each
+    ``# bench/keras_step.py`` header a new one); and the next run's number.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        ...     _ = f.write("# bench/keras_step.py: ...\nmlp1m  one process, 2 replicas    round 1.2: xreduce   1.00 / "
+        ...                 "  2.00 /   3.00 ms, peer   1.00 /   2.00 /   2.50 ms, ratio ...\n")
+        >>> pairs, after = read_pairs(f.name, 4)
+        >>> pairs[0]["run"], pairs[0]["round"], pairs[0]["mine"][2] / pairs[0]["peer"][2], after
+        (4, 1, 1.2, 5)
+        >>> os.unlink(f.name)
+    """
+    with open(path) as f:
+        text = f.read()
+    with contextlib.suppress(json.JSONDecodeError):
+        return [dict(pair, run=run) for pair in json.loads(text)["pairs"]], run + 1
+    pairs, at = [], run - 1
+    for line in text.splitlines():
+        if line.startswith("# bench/keras_step.py"):
+            at += 1
+        elif (m := ROUND_LINE.match(line)) is not None:
+            times = [float(t) for t in m.groups()[4:]]
+            pairs.append({"model": m[1], "comparison": m[2], "run": max(at, run), "round": int(m[3]),
+                          "turn": int(m[4]), "mine": times[:3], "peer": times[3:]})
+    return pairs, max(at, run) + 1
+
+
+def pooled_line(pairs: list[dict]) -> list[str]:
+    """A line for each model and comparison among ``pairs`` (as ``--json`` keeps them): how many pairs and rounds,
+    the median ratio of median steps and its interval (:func:`pooled`), and how many pairs were over 1.1."""
+    lines = []
+    for key in dict.fromkeys((p["model"], p["comparison"]) for p in pairs):
+        chosen = [p for p in pairs if (p["model"], p["comparison"]) == key]
+        rounds: dict[object, list[float]] = {}
+        for p in chosen:
+            rounds.setdefault((p.get("run", 0), p["round"]), []).append(p["mine"][2] / p["peer"][2])
+        median, low, high = pooled(rounds)
+        over = sum(r > 1.1 for ratios in rounds.values() for r in ratios)
+        lines.append(f"pooled: {key[0]} {key[1]}: {len(chosen)} pairs in {len(rounds)} rounds, median ratio of "
+                     f"median steps {median:.3f} (95% interval over rounds {low:.3f}-{high:.3f}); {over} pair(s) "
+                     f"over 1.1")
+    return lines
+
 
 def ours(name: str, common: list[str], alternations: int = 0) -> list[list[str]]:
     """The xreduce job of comparison ``name``: each process's arguments (the first's with TF's own strategy in the
@@ -115,10 +199,20 @@ def main() -> int:
     p.add_argument("--alternations", type=int, default=3,
                    help="comparison 1: xreduce and TF's own timed in turn this many times in each round's process")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", default="", help="write every pair of step times (and its round) to this file")
+    p.add_argument("--pool", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: pool the pairs of these --json files (each file a run) and print the lines")
     p.add_argument("--no-kernel", action="store_true",
                    help="XREDUCE_TF_KERNEL=0: the steps (one process's, a group's) take the tf.numpy_function "
                         "bridge, not xreduce's TF kernel")
     args = p.parse_args()
+    if args.pool:
+        every, run = [], 0
+        for path in args.pool:
+            pairs, run = read_pairs(path, run)
+            every += pairs
+        print("\n".join(pooled_line(every)))
+        return 0
     # PYTHONFAULTHANDLER: a process that dies of a signal (TF's SIGSEGV between fits, docs/benchmarks.md) prints where.
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XREDUCE_STALL_WARNING_SECONDS="0", PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
@@ -133,6 +227,7 @@ def main() -> int:
             print(f"# bench/keras_step.py: {args.rounds} rounds, {args.steps} timed steps a job, global batch 64; "
                   "milliseconds per step (steady / epoch mean / median step)")
             rows = []
+            kept: list[dict] = []
             failures = 0
             for model in args.models.split(","):
                 common = ["--model", model, "--steps", str(args.steps), "--timed-epochs", "1"]
@@ -164,6 +259,8 @@ def main() -> int:
                         for k, (m, t) in enumerate(pairs):
                             mine.append(m)
                             theirs.append(t)
+                            kept.append({"model": model, "comparison": name, "round": r, "turn": k,
+                                         "first": fits[k].get("first", "xreduce"), "mine": list(m), "peer": list(t)})
                             profile.append((statistics.mean(f["bridge_seconds_per_step"] for f in fits),
                                             statistics.mean(f["sdk_seconds_per_step"] for f in fits), daemon_s))
                             label = f"round {r}" + (f".{k}" if len(pairs) > 1 else "")
@@ -192,6 +289,12 @@ def main() -> int:
                 other = "TF's HierarchicalCopyAllReduce" if name == COMPARISONS[0] else "MultiWorkerMirroredStrategy"
                 print(f"| {model} | {name} vs {other} | {mine_s * 1e3:.2f} ms | {theirs_s * 1e3:.2f} ms | "
                       f"{median:.2f} | {steady:.2f} | {mean:.2f} |")
+            if kept:
+                print()
+                print("\n".join(pooled_line(kept)))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"argv": sys.argv[1:], "pairs": kept}, f, indent=1)
             if failures:
                 print(f"\n{failures} round(s) failed (above); the table leaves them out")
         finally:

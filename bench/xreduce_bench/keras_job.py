@@ -272,7 +272,10 @@ def timed(args: argparse.Namespace, model, profile: Profile, training, x, y) -> 
 
 def alternate(args: argparse.Namespace, keras, tf, model, profile: Profile, x, y) -> None:
     """``--alternate-with``: the same model under that strategy too, in this process; then ``--alternations``
-    rounds, each timing both (:func:`timed`, one epoch each) in turn, each printed as ``{"event": "round", ...}``."""
+    rounds, each timing both (:func:`timed`, one epoch each) in turn, each printed as ``{"event": "round", ...}``
+    (``first``: which was timed first). The order alternates, xreduce's first in even rounds and the peer's in odd
+    ones (ABBA), so that a drift of the machine's speed within the process, or what one fit leaves the next,
+    weighs on both alike."""
     strategy = strategy_of(args, tf, args.alternate_with)
     with strategy.scope():
         keras.utils.set_random_seed(args.seed)
@@ -282,9 +285,14 @@ def alternate(args: argparse.Namespace, keras, tf, model, profile: Profile, x, y
     one = argparse.Namespace(**{**vars(args), "timed_epochs": 1})
     quiet = Profile()
     for r in range(args.alternations):
-        mine = timed(one, model, profile, _Training(keras), x, y)
-        theirs = timed(one, peer, quiet, _Training(keras), x, y)
-        emit(event="round", round=r, seconds_per_step=mine[0], steady_step_seconds=mine[2],
+        if r % 2 == 0:
+            mine = timed(one, model, profile, _Training(keras), x, y)
+            theirs = timed(one, peer, quiet, _Training(keras), x, y)
+        else:
+            theirs = timed(one, peer, quiet, _Training(keras), x, y)
+            mine = timed(one, model, profile, _Training(keras), x, y)
+        emit(event="round", round=r, first="xreduce" if r % 2 == 0 else "peer",
+             seconds_per_step=mine[0], steady_step_seconds=mine[2],
              median_step_seconds=mine[1], peer_seconds_per_step=theirs[0], peer_steady_step_seconds=theirs[2],
              peer_median_step_seconds=theirs[1], **profile.per_step(mine[3]))
 

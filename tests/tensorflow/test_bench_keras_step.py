@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -13,9 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUMBER = r"-?[0-9.]+"
 
 
-def test_the_bench_times_both_comparisons_and_prints_the_ratios():
+def test_the_bench_times_both_comparisons_and_prints_the_ratios(tmp_path):
+    kept = tmp_path / "pairs.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "keras_step.py"), "--rounds", "1", "--steps", "8",
-                           "--models", "mlp", "--alternations", "2"],
+                           "--models", "mlp", "--alternations", "2", "--json", str(kept)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -38,3 +40,16 @@ def test_the_bench_times_both_comparisons_and_prints_the_ratios():
     assert [row.split(" | ")[1] for row in table] == [
         "one process, 2 replicas vs TF's HierarchicalCopyAllReduce",
         "two processes x 1 replica vs MultiWorkerMirroredStrategy"], table
+    # The pooled verdict: every pair of the run, its interval over rounds; kept, and pooled again from the file.
+    pooled = [line for line in lines if line.startswith("pooled: ")]
+    pattern = (r"pooled: mlp {}: {} pairs in 1 rounds, median ratio of median steps [0-9.]+ \(95% interval over "
+               r"rounds [0-9.]+-[0-9.]+\); [0-9]+ pair\(s\) over 1.1")
+    assert [bool(re.fullmatch(pattern.format(*case), line)) for case, line in
+            zip([("one process, 2 replicas", 2), ("two processes x 1 replica", 1)], pooled)] == [True, True], pooled
+    pairs = json.loads(kept.read_text())["pairs"]
+    assert [(p["comparison"], p["turn"], p["first"]) for p in pairs] == [
+        ("one process, 2 replicas", 0, "xreduce"), ("one process, 2 replicas", 1, "peer"),
+        ("two processes x 1 replica", 0, "xreduce")], pairs  # the one-process turns alternate in order (ABBA)
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "keras_step.py"), "--pool", str(kept)],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert again.returncode == 0 and again.stdout.splitlines() == pooled, again.stdout + again.stderr
