@@ -13,6 +13,7 @@ batch as TF splits them and concatenated (:meth:`Engine.batch_reduce`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,8 +28,22 @@ from xreduced.deadline import Deadline
 from xreduced.errors import InvalidArgument
 from xreduced.executor import Bound, Fused, check_out, execute
 
-SUM = "SUM"
-MEAN = "MEAN"
+
+class Op(enum.StrEnum):
+    """A reduction's operation (the request's ``reduce_op``). Members are strings, equal to their values.
+
+    Example:
+        >>> Op("MEAN") is Op.MEAN, Op.SUM == "SUM", f"{Op.SUM}"
+        (True, True, 'SUM')
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    """The sum divided by the number of replicas (an integer dtype's mean is a float: ``mean_dtype``)."""
+
+
+SUM = Op.SUM
+MEAN = Op.MEAN
 MAX_NUM_PACKS = 65536
 """More packs than this are refused: each pack is a separate reduction."""
 

@@ -11,13 +11,31 @@ work happens does.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
-HIERARCHICAL_COPY = "hierarchical_copy"
-REDUCTION_TO_ONE_DEVICE = "reduction_to_one_device"
-IDENTITY = "identity"
-NCCL = "nccl"
-"""The all-reduce route of ALGORITHM_NCCL: packed as hierarchical copy, each pack summed by NCCL."""
+
+class Route(enum.StrEnum):
+    """How a value is all-reduced: the request's algorithm, or none at all (a value on one device). Members are
+    strings, equal to their values.
+
+    Example:
+        >>> Route("nccl") is Route.NCCL, Route.HIERARCHICAL_COPY == "hierarchical_copy", f"{Route.IDENTITY}"
+        (True, True, 'identity')
+    """
+
+    HIERARCHICAL_COPY = "hierarchical_copy"
+    REDUCTION_TO_ONE_DEVICE = "reduction_to_one_device"
+    IDENTITY = "identity"
+    """A value on one device: nothing to add."""
+    NCCL = "nccl"
+    """The all-reduce route of ALGORITHM_NCCL: packed as hierarchical copy, each pack summed by NCCL."""
+
+
+HIERARCHICAL_COPY = Route.HIERARCHICAL_COPY
+REDUCTION_TO_ONE_DEVICE = Route.REDUCTION_TO_ONE_DEVICE
+IDENTITY = Route.IDENTITY
+NCCL = Route.NCCL
 
 
 @dataclasses.dataclass(frozen=True)
