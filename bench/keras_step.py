@@ -99,6 +99,9 @@ def reduction_seconds(metrics: str) -> tuple[float, float]:
 
 COMPARISONS = ("one process, 2 replicas", "two processes x 1 replica")
 
+TARGETS = {COMPARISONS[0]: 1.1, COMPARISONS[1]: 0.5}
+"""Each comparison's target: xreduce's median step over the peer's at most this."""
+
 BOOTSTRAP_DRAWS = 4000
 """Draws of the bootstrap behind a pooled ratio's interval (:func:`pooled`)."""
 
@@ -157,7 +160,16 @@ def read_pairs(path: str, run: int) -> tuple[list[dict], int]:
 
 def pooled_line(pairs: list[dict]) -> list[str]:
     """A line for each model and comparison among ``pairs`` (as ``--json`` keeps them): how many pairs and rounds,
-    the median ratio of median steps and its interval (:func:`pooled`), and how many pairs were over 1.1."""
+    the median ratio of median steps and its interval (:func:`pooled`), and how many pairs were over the target.
+
+    Example:
+        >>> pair = {"model": "mlp", "comparison": COMPARISONS[0], "round": 0, "mine": [0, 0, 1.2], "peer": [0, 0, 1.0]}
+        >>> line = pooled_line([pair])[0]
+        >>> line.split(", median")[0], "steps 1.200 (95% interval over rounds 1.200-1.200)" in line
+        ('pooled: mlp one process, 2 replicas: 1 pairs in 1 rounds', True)
+        >>> line.split("; ")[1]
+        '1 pair(s) over the target 1.1'
+    """
     lines = []
     for key in dict.fromkeys((p["model"], p["comparison"]) for p in pairs):
         chosen = [p for p in pairs if (p["model"], p["comparison"]) == key]
@@ -165,10 +177,11 @@ def pooled_line(pairs: list[dict]) -> list[str]:
         for p in chosen:
             rounds.setdefault((p.get("run", 0), p["round"]), []).append(p["mine"][2] / p["peer"][2])
         median, low, high = pooled(rounds)
-        over = sum(r > 1.1 for ratios in rounds.values() for r in ratios)
+        target = TARGETS[key[1]]
+        over = sum(r > target for ratios in rounds.values() for r in ratios)
         lines.append(f"pooled: {key[0]} {key[1]}: {len(chosen)} pairs in {len(rounds)} rounds, median ratio of "
                      f"median steps {median:.3f} (95% interval over rounds {low:.3f}-{high:.3f}); {over} pair(s) "
-                     f"over 1.1")
+                     f"over the target {target}")
     return lines
 
 

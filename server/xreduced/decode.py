@@ -149,7 +149,7 @@ class Options:
 
     Example:
         >>> Options(2, planner.HIERARCHICAL_COPY, None, Deadline(None)).algorithm
-        'hierarchical_copy'
+        <Route.HIERARCHICAL_COPY: 'hierarchical_copy'>
     """
 
     num_packs: int

@@ -180,7 +180,7 @@ class Engine:
         >>> v = Value((0, 1), (np.array([1.0, 2.0]), np.array([10.0, 20.0])))
         >>> r = e.reduce(SUM, v, ())
         >>> r.route, r.arrays[1]
-        ('hierarchical_copy', array([11., 22.]))
+        (<Route.HIERARCHICAL_COPY: 'hierarchical_copy'>, array([11., 22.]))
     """
 
     def __init__(self, backend: Backend):
@@ -379,7 +379,7 @@ class Engine:
             >>> a, b = (Slices(np.array([[v]]), np.array([i]), (4, 1)) for v, i in ((1.0, 3), (3.0, 0)))
             >>> r = Engine(NumpyBackend(2))._concat(MEAN, Value((0, 1), (a, b)), (1,))
             >>> r.route, r.arrays[0].values.tolist(), r.arrays[0].indices.tolist()
-            ('reduction_to_one_device', [[0.5], [1.5]], [3, 0])
+            (<Route.REDUCTION_TO_ONE_DEVICE: 'reduction_to_one_device'>, [[0.5], [1.5]], [3, 0])
         """
         route = _sparse_route(value, dests)
         if route == planner.IDENTITY:
@@ -413,7 +413,8 @@ class Engine:
             >>> e = Engine(NumpyBackend(4))
             >>> x = np.ones(3, np.float32)
             >>> e.routes(SUM, [(Value((0, 1), (x, x)), ()), (Value((2,), (x,)), ()), (Value((2,), (x,)), [3])])
-            ['hierarchical_copy', 'identity', 'reduction_to_one_device']
+            [<Route.HIERARCHICAL_COPY: 'hierarchical_copy'>, <Route.IDENTITY: 'identity'>,
+             <Route.REDUCTION_TO_ONE_DEVICE: 'reduction_to_one_device'>]
         """
         resolved = self.validate(op, pairs, num_packs, dest_fields)
         self._check_algorithm(resolved, algorithm)

@@ -258,7 +258,7 @@ def nccl_all_reduce(
     Example:
         >>> p = nccl_all_reduce([0, 1], [4, 4], 4, num_packs=2)
         >>> p.algorithm, [pk.elements for pk in p.packs], p.steps
-        ('nccl', [4, 4], ())
+        (<Route.NCCL: 'nccl'>, [4, 4], ())
     """
     devs = tuple(devices)
     return Plan(NCCL, devs, devs, split_packs(elements, num_packs), (), _itemsizes(itemsize, len(elements)))
