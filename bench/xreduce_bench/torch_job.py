@@ -61,9 +61,7 @@ def main() -> None:
         x = INPUTS[args.model](args.batch, data)
         dist.barrier() if step == args.warmup else None  # the timed steps start together
         start = time.perf_counter()
-        optimizer.zero_grad()
-        ddp(x).float().square().mean().backward()
-        optimizer.step()
+        train_step(ddp, optimizer, x)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
@@ -73,15 +71,20 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def train_step(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One step: forward, backward (DDP's bucket all-reduces overlapping it), SGD."""
+    optimizer.zero_grad()
+    ddp(x).float().square().mean().backward()
+    optimizer.step()
+
+
 def until_error(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, batch, args: argparse.Namespace):
     """Trains until a step fails (``--until-error``); prints when it trains, then what failed and when."""
     times = []
     try:
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
-            optimizer.zero_grad()
-            ddp(batch()).float().square().mean().backward()
-            optimizer.step()
+            train_step(ddp, optimizer, batch())
             times.append(time.perf_counter() - start)
             if step + 1 == args.warmup:
                 print(json.dumps({"event": "training", "rank": dist.get_rank(), "step_s": statistics.median(times)}),

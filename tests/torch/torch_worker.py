@@ -68,8 +68,9 @@ def error(e: BaseException) -> dict:
     return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
 
 
-def digest(model: torch.nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+def digest(tensors) -> str:
+    """A short digest of the tensors' bytes, in order (a model's parameters or buffers, a rank's shards)."""
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
 
 
 # --- ddp and train ----------------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def ddp(args: argparse.Namespace, store: dist.Store) -> None:
         started = time.monotonic()
         losses = [batches.step(net, optimizer) for _ in range(args.steps)]
         weights[variant] = [p.detach().clone() for p in model.parameters()]
-        emit(event="trained", variant=variant, losses=losses, digest=digest(model),
+        emit(event="trained", variant=variant, losses=losses, digest=digest(model.parameters()),
              seconds=round(time.monotonic() - started, 3))
     if args.rank == 0:
         torch.save(weights, args.out)
@@ -159,8 +160,8 @@ def options(args: argparse.Namespace, store: dist.Store) -> None:
         for backend, group in groups.items():
             model = train_with(name, group, args.rank, args.steps)
             grad = model.middle.weight.grad  # with gradient_as_bucket_view, a view of DDP's bucket
-            emit(event="trained", option=name, backend=backend, digest=digest(model),
-                 buffers=hashlib.sha256(b"".join(b.numpy().tobytes() for b in model.buffers())).hexdigest()[:16],
+            emit(event="trained", option=name, backend=backend, digest=digest(model.parameters()),
+                 buffers=digest(model.buffers()),
                  grad_in_shared_memory=grad is not None and grad.is_shared())
     if args.fsdp:
         for backend, group in groups.items():
@@ -214,7 +215,7 @@ def train_sharded(group: dist.ProcessGroup, rank: int, steps: int) -> dict:
     for _ in range(steps):
         batches.step(model, optimizer)
     shards = [p.to_local().detach() for p in model.parameters()]
-    return {"digest": hashlib.sha256(b"".join(t.numpy().tobytes() for t in shards)).hexdigest()[:16],
+    return {"digest": digest(shards),
             "group_name": mesh.get_group().group_name}
 
 
